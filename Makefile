@@ -1,0 +1,29 @@
+# rlhfz: two commands do all the set-up on a fresh machine.
+#   make demo   build, install, and train the demo model with ZeroAdamW beside torch.optim.AdamW
+#   make test   build, install, and run the test suite
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+# torch is pinned: the CPU wheel; an unpinned torch pulls a multi-GB CUDA build.
+TORCH_PIN ?= torch==2.13.0
+DEPS := $(TORCH_PIN) numpy pytest pytest-benchmark hypothesis "setuptools>=64" wheel
+
+.PHONY: deps install demo test bench clean
+
+deps:
+	$(PIP) install --quiet --disable-pip-version-check $(DEPS)
+
+install: deps
+	$(PIP) install --quiet --disable-pip-version-check --no-build-isolation -e .
+
+demo: install
+	$(PYTHON) -m rlhfz demo
+
+test: install
+	$(PYTHON) -m pytest -q tests
+
+bench: install
+	$(PYTHON) -m pytest -q benchmarks --benchmark-columns=min,mean,stddev,rounds \
+		--benchmark-group-by=group
+
+clean:
+	rm -rf build *.egg-info rlhfz/_C*.so .pytest_cache .benchmarks

@@ -1,0 +1,83 @@
+/* args.c: binding METH_FASTCALL | METH_KEYWORDS arguments to named slots.
+ *
+ * The public C API has no keyword parser for vectorcall, and the tuple/dict
+ * one would cost an allocation per call on the optimizer's hot path. */
+#include "rlhfz_module.h"
+
+int rlhfz_parse_args(const char *func, PyObject *const *args, Py_ssize_t nargs,
+                     PyObject *kwnames, const char *const *names,
+                     int max_positional, int nrequired, PyObject **slots)
+{
+    int count = 0;
+    while (names[count] != NULL)
+        count++;
+    for (int i = 0; i < count; i++)
+        slots[i] = NULL;
+    if (nargs > max_positional) {
+        PyErr_Format(PyExc_TypeError, "%s() takes at most %d positional arguments (%zd given)",
+                     func, max_positional, nargs);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < nargs; i++)
+        slots[i] = args[i];
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    for (Py_ssize_t k = 0; k < nkw; k++) {
+        PyObject *key = PyTuple_GET_ITEM(kwnames, k);
+        int found = -1;
+        for (int i = 0; i < count; i++) {
+            if (PyUnicode_CompareWithASCIIString(key, names[i]) == 0) {
+                found = i;
+                break;
+            }
+        }
+        if (found < 0) {
+            PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument '%U'", func, key);
+            return -1;
+        }
+        if (slots[found] != NULL) {
+            PyErr_Format(PyExc_TypeError, "%s() got multiple values for argument '%s'",
+                         func, names[found]);
+            return -1;
+        }
+        slots[found] = args[nargs + k];
+    }
+    for (int i = 0; i < nrequired; i++) {
+        if (slots[i] == NULL) {
+            PyErr_Format(PyExc_TypeError, "%s() missing required argument '%s'", func, names[i]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+int rlhfz_arg_double(PyObject *obj, const char *name, double *out)
+{
+    double value = PyFloat_AsDouble(obj);
+    if (value == -1.0 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s must be a real number, not %.200s",
+                     name, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    *out = value;
+    return 0;
+}
+
+int rlhfz_arg_int64(PyObject *obj, const char *name, int64_t *out)
+{
+    if (!PyLong_Check(obj) && !PyIndex_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s must be an integer, not %.200s",
+                     name, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    long long value = PyLong_AsLongLong(obj);
+    if (value == -1 && PyErr_Occurred()) {
+        if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "%s is out of the int64 range", name);
+        }
+        return -1;
+    }
+    *out = (int64_t)value;
+    return 0;
+}

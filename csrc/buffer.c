@@ -1,0 +1,681 @@
+/* buffer.c: the Buffer type (an owned, aligned allocation in a memory tier)
+ * and BufferView (a typed, shaped range of one), exported through DLPack.
+ *
+ * Every exported DLPack tensor holds a strong reference to its Buffer, so the
+ * memory lives until the last consumer lets go; `exports` counts those, which
+ * is how a caller learns that someone outside still holds a view.
+ */
+#include "rlhfz_module.h"
+
+#include <stdlib.h>
+#include <structmember.h>
+#include <string.h>
+
+/* ---- dtypes ---------------------------------------------------------------- */
+
+static const struct {
+    const char *name;
+    const char *alias;
+    rlhfz_dtype dtype;
+} dtype_names[] = {
+    {"float32", "torch.float32", RLHFZ_DTYPE_F32},
+    {"bfloat16", "torch.bfloat16", RLHFZ_DTYPE_BF16},
+    {"float16", "torch.float16", RLHFZ_DTYPE_F16},
+};
+
+const char *rlhfz_dtype_name(rlhfz_dtype dtype)
+{
+    for (size_t i = 0; i < sizeof(dtype_names) / sizeof(dtype_names[0]); i++)
+        if (dtype_names[i].dtype == dtype)
+            return dtype_names[i].name;
+    return "unknown";
+}
+
+int rlhfz_dtype_from_object(PyObject *obj, rlhfz_dtype *out)
+{
+    /* Accept "float32" and also torch dtypes (by their str), without importing torch. */
+    PyObject *text = PyUnicode_Check(obj) ? Py_NewRef(obj) : PyObject_Str(obj);
+    if (text == NULL)
+        return -1;
+    for (size_t i = 0; i < sizeof(dtype_names) / sizeof(dtype_names[0]); i++) {
+        if (PyUnicode_CompareWithASCIIString(text, dtype_names[i].name) == 0 ||
+            PyUnicode_CompareWithASCIIString(text, dtype_names[i].alias) == 0) {
+            *out = dtype_names[i].dtype;
+            Py_DECREF(text);
+            return 0;
+        }
+    }
+    PyErr_Format(PyExc_TypeError, "unsupported dtype %R: expected float32, bfloat16 or float16", text);
+    Py_DECREF(text);
+    return -1;
+}
+
+DLDataType rlhfz_dtype_to_dl(rlhfz_dtype dtype)
+{
+    DLDataType dl = {kDLFloat, 32, 1};
+    if (dtype == RLHFZ_DTYPE_BF16) {
+        dl.code = kDLBfloat;
+        dl.bits = 16;
+    } else if (dtype == RLHFZ_DTYPE_F16) {
+        dl.bits = 16;
+    }
+    return dl;
+}
+
+static const char *tier_name(rlhfz_tier tier)
+{
+    return tier == RLHFZ_TIER_EXTERNAL ? "external" : "host";
+}
+
+/* ---- Buffer ---------------------------------------------------------------- */
+
+rlhfz_Buffer *rlhfz_buffer_alloc(rlhfz_state *state, size_t nbytes, size_t alignment, int zero)
+{
+    if (alignment < sizeof(void *) || (alignment & (alignment - 1)) != 0) {
+        PyErr_Format(PyExc_ValueError, "alignment must be a power of two >= %zu, not %zu",
+                     sizeof(void *), alignment);
+        return NULL;
+    }
+    rlhfz_Buffer *self = (rlhfz_Buffer *)state->Buffer_type->tp_alloc(state->Buffer_type, 0);
+    if (self == NULL)
+        return NULL;
+    /* A zero-byte buffer still gets a block (DLPack consumers expect a
+     * non-null pointer); sizes round up to whole cache lines, zeroed, so
+     * SIMD loops may read a tail safely. */
+    size_t padded = nbytes == 0 ? 64 : (nbytes + 63) / 64 * 64;
+    if (padded < nbytes) {
+        Py_DECREF(self);
+        return (rlhfz_Buffer *)PyErr_NoMemory();
+    }
+    void *data = NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = posix_memalign(&data, alignment, padded);
+    if (rc == 0 && zero)
+        memset(data, 0, padded);
+    Py_END_ALLOW_THREADS
+    if (rc != 0) {
+        Py_DECREF(self);
+        PyErr_Format(PyExc_MemoryError, "could not allocate %zu bytes of host memory", nbytes);
+        return NULL;
+    }
+    self->data = data;
+    self->nbytes = nbytes;
+    self->alignment = alignment;
+    self->tier = RLHFZ_TIER_HOST;
+    return self;
+}
+
+static PyObject *Buffer_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"nbytes", "tier", "alignment", "zero", NULL};
+    Py_ssize_t nbytes;
+    const char *tier = "host";
+    Py_ssize_t alignment = RLHFZ_DEFAULT_ALIGNMENT;
+    int zero = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "n|s$np:Buffer", kwlist,
+                                     &nbytes, &tier, &alignment, &zero))
+        return NULL;
+    if (nbytes < 0) {
+        PyErr_Format(PyExc_ValueError, "nbytes must be >= 0, not %zd", nbytes);
+        return NULL;
+    }
+    if (alignment <= 0) {
+        PyErr_Format(PyExc_ValueError, "alignment must be positive, not %zd", alignment);
+        return NULL;
+    }
+    /* Pinned memory needs the CUDA runtime; without it the tier falls back to host. */
+    if (strcmp(tier, "host") != 0 && strcmp(tier, "pinned") != 0) {
+        PyErr_Format(PyExc_ValueError, "tier %s is not available in this build "
+                     "(available: host, pinned)", tier);
+        return NULL;
+    }
+    rlhfz_state *state = rlhfz_state_from_type(type);
+    if (state == NULL)
+        return NULL;
+    return (PyObject *)rlhfz_buffer_alloc(state, (size_t)nbytes, (size_t)alignment, zero);
+}
+
+static void release_external(rlhfz_Buffer *self)
+{
+    if (self->external == NULL)
+        return;
+    if (self->external_versioned) {
+        DLManagedTensorVersioned *managed = self->external;
+        if (managed->deleter)
+            managed->deleter(managed);
+    } else {
+        DLManagedTensor *managed = self->external;
+        if (managed->deleter)
+            managed->deleter(managed);
+    }
+    self->external = NULL;
+}
+
+static void Buffer_dealloc(rlhfz_Buffer *self)
+{
+    PyTypeObject *type = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    if (self->weakreflist != NULL)
+        PyObject_ClearWeakRefs((PyObject *)self);
+    if (self->tier == RLHFZ_TIER_EXTERNAL)
+        release_external(self);
+    else
+        free(self->data);
+    self->data = NULL;
+    type->tp_free(self);
+    Py_DECREF(type);
+}
+
+static int Buffer_traverse(rlhfz_Buffer *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+static PyObject *Buffer_view(rlhfz_Buffer *self, PyObject *const *args, Py_ssize_t nargs,
+                             PyObject *kwnames);
+
+static PyObject *Buffer_zero_(rlhfz_Buffer *self, PyObject *unused)
+{
+    void *data = self->data;
+    size_t n = self->nbytes;
+    Py_BEGIN_ALLOW_THREADS
+    memset(data, 0, n);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *Buffer_from_dlpack(PyTypeObject *type, PyObject *obj)
+{
+    rlhfz_state *state = rlhfz_state_from_type(type);
+    if (state == NULL)
+        return NULL;
+    rlhfz_Buffer *self = (rlhfz_Buffer *)state->Buffer_type->tp_alloc(state->Buffer_type, 0);
+    if (self == NULL)
+        return NULL;
+    self->tier = RLHFZ_TIER_EXTERNAL;
+    self->alignment = 1;
+    if (rlhfz_buffer_import_dlpack(self, obj) < 0) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+static PyObject *Buffer_get_nbytes(rlhfz_Buffer *self, void *c) { return PyLong_FromSize_t(self->nbytes); }
+static PyObject *Buffer_get_alignment(rlhfz_Buffer *self, void *c) { return PyLong_FromSize_t(self->alignment); }
+static PyObject *Buffer_get_tier(rlhfz_Buffer *self, void *c) { return PyUnicode_FromString(tier_name(self->tier)); }
+static PyObject *Buffer_get_address(rlhfz_Buffer *self, void *c) { return PyLong_FromVoidPtr(self->data); }
+static PyObject *Buffer_get_exports(rlhfz_Buffer *self, void *c) { return PyLong_FromSsize_t(self->exports); }
+
+static PyObject *Buffer_repr(rlhfz_Buffer *self)
+{
+    return PyUnicode_FromFormat("<rlhfz._C.Buffer %zu bytes, tier=%s, exports=%zd>",
+                                self->nbytes, tier_name(self->tier), self->exports);
+}
+
+static PyMethodDef Buffer_methods[] = {
+    {"view", (PyCFunction)(void (*)(void))Buffer_view, METH_FASTCALL | METH_KEYWORDS,
+     "view(dtype, offset=0, shape=None) -> BufferView\n\n"
+     "A typed range of this buffer; offset counts elements of dtype, and shape\n"
+     "None means every element from offset to the end, as one dimension."},
+    {"zero_", (PyCFunction)Buffer_zero_, METH_NOARGS, "Fill the buffer with zero bytes."},
+    {"from_dlpack", (PyCFunction)Buffer_from_dlpack, METH_O | METH_CLASS,
+     "from_dlpack(tensor) -> Buffer\n\n"
+     "Adopt a contiguous host tensor's memory (consuming its DLPack capsule);\n"
+     "the producer's deleter runs when the Buffer is freed."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Buffer_getset[] = {
+    {"nbytes", (getter)Buffer_get_nbytes, NULL, "size in bytes", NULL},
+    {"alignment", (getter)Buffer_get_alignment, NULL, "alignment of the start, in bytes", NULL},
+    {"tier", (getter)Buffer_get_tier, NULL, "memory tier: host or external", NULL},
+    {"address", (getter)Buffer_get_address, NULL, "address of the first byte", NULL},
+    {"exports", (getter)Buffer_get_exports, NULL,
+     "DLPack exports of this buffer that their consumers still hold", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMemberDef Buffer_members[] = {
+    {"__weaklistoffset__", T_PYSSIZET, offsetof(rlhfz_Buffer, weakreflist), READONLY, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyType_Slot Buffer_slots[] = {
+    {Py_tp_doc, "Buffer(nbytes, tier='host', *, alignment=64, zero=True)\n\n"
+                "An owned, aligned allocation. Views of it are exported through DLPack\n"
+                "without copying, and each export keeps the buffer alive."},
+    {Py_tp_new, Buffer_new},
+    {Py_tp_dealloc, Buffer_dealloc},
+    {Py_tp_traverse, Buffer_traverse},
+    {Py_tp_repr, Buffer_repr},
+    {Py_tp_methods, Buffer_methods},
+    {Py_tp_getset, Buffer_getset},
+    {Py_tp_members, Buffer_members},
+    {0, NULL},
+};
+
+static PyType_Spec Buffer_spec = {
+    .name = "rlhfz._C.Buffer",
+    .basicsize = sizeof(rlhfz_Buffer),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = Buffer_slots,
+};
+
+/* ---- BufferView ------------------------------------------------------------ */
+
+static PyObject *Buffer_view(rlhfz_Buffer *self, PyObject *const *args, Py_ssize_t nargs,
+                             PyObject *kwnames)
+{
+    static const char *const names[] = {"dtype", "offset", "shape", NULL};
+    PyObject *slots[3];
+    if (rlhfz_parse_args("view", args, nargs, kwnames, names, 3, 1, slots) < 0)
+        return NULL;
+    rlhfz_dtype dtype;
+    if (rlhfz_dtype_from_object(slots[0], &dtype) < 0)
+        return NULL;
+    size_t itemsize = rlhfz_dtype_size(dtype);
+    int64_t offset = 0;
+    if (slots[1] != NULL && slots[1] != Py_None && rlhfz_arg_int64(slots[1], "offset", &offset) < 0)
+        return NULL;
+    if (offset < 0) {
+        PyErr_Format(PyExc_ValueError, "offset must be >= 0, not %lld", (long long)offset);
+        return NULL;
+    }
+    size_t capacity = self->nbytes / itemsize;
+    if ((size_t)offset > capacity) {
+        PyErr_Format(PyExc_ValueError, "offset %lld is past the end of a buffer of %zu %s elements",
+                     (long long)offset, capacity, rlhfz_dtype_name(dtype));
+        return NULL;
+    }
+    rlhfz_state *state = rlhfz_state_from_type(Py_TYPE(self));
+    if (state == NULL)
+        return NULL;
+    int ndim = 1;
+    int64_t shape[RLHFZ_MAX_NDIM];
+    size_t numel = capacity - (size_t)offset;
+    shape[0] = (int64_t)numel;
+    if (slots[2] != NULL && slots[2] != Py_None) {
+        PyObject *seq = PySequence_Fast(slots[2], "shape must be a sequence of integers");
+        if (seq == NULL)
+            return NULL;
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+        if (n > RLHFZ_MAX_NDIM) {
+            Py_DECREF(seq);
+            PyErr_Format(PyExc_ValueError, "shape has %zd dimensions; at most %d are supported",
+                         n, RLHFZ_MAX_NDIM);
+            return NULL;
+        }
+        ndim = (int)n;
+        numel = 1;
+        uint64_t extent = 1;  /* product of max(dim, 1): the largest stride plus one */
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t dim;
+            if (rlhfz_arg_int64(PySequence_Fast_GET_ITEM(seq, i), "shape entry", &dim) < 0) {
+                Py_DECREF(seq);
+                return NULL;
+            }
+            if (dim < 0) {
+                Py_DECREF(seq);
+                PyErr_Format(PyExc_ValueError, "shape entries must be >= 0, not %lld", (long long)dim);
+                return NULL;
+            }
+            shape[i] = dim;
+            uint64_t factor = dim > 1 ? (uint64_t)dim : 1;
+            if (extent > (uint64_t)INT64_MAX / factor) {
+                Py_DECREF(seq);
+                PyErr_SetString(PyExc_ValueError, "shape is too large: its strides overflow int64");
+                return NULL;
+            }
+            extent *= factor;
+            numel *= (size_t)dim;
+        }
+        Py_DECREF(seq);
+        if (numel > capacity - (size_t)offset) {
+            PyErr_Format(PyExc_ValueError,
+                         "a view of %zu %s elements at offset %lld does not fit in %zu bytes",
+                         numel, rlhfz_dtype_name(dtype), (long long)offset, self->nbytes);
+            return NULL;
+        }
+    }
+    rlhfz_BufferView *view = (rlhfz_BufferView *)state->BufferView_type->tp_alloc(
+        state->BufferView_type, 0);
+    if (view == NULL)
+        return NULL;
+    view->buffer = (rlhfz_Buffer *)Py_NewRef(self);
+    view->dtype = dtype;
+    view->offset = (size_t)offset;
+    view->ndim = ndim;
+    memcpy(view->shape, shape, sizeof(int64_t) * (size_t)ndim);
+    view->numel = numel;
+    return (PyObject *)view;
+}
+
+static void BufferView_dealloc(rlhfz_BufferView *self)
+{
+    PyTypeObject *type = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    Py_CLEAR(self->buffer);
+    type->tp_free(self);
+    Py_DECREF(type);
+}
+
+static int BufferView_traverse(rlhfz_BufferView *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->buffer);
+    return 0;
+}
+
+static int BufferView_clear(rlhfz_BufferView *self)
+{
+    Py_CLEAR(self->buffer);
+    return 0;
+}
+
+/* One allocation holds the managed tensor and its shape and strides, so the
+ * deleter frees one block. */
+typedef struct {
+    DLManagedTensorVersioned managed;
+    int64_t shape[RLHFZ_MAX_NDIM];
+    int64_t strides[RLHFZ_MAX_NDIM];
+} versioned_export;
+
+typedef struct {
+    DLManagedTensor managed;
+    int64_t shape[RLHFZ_MAX_NDIM];
+    int64_t strides[RLHFZ_MAX_NDIM];
+} legacy_export;
+
+/* Consumers may free a tensor from any thread, with or without the GIL, and
+ * even after the interpreter is gone; then the reference is left alone. */
+static void release_export(rlhfz_Buffer *buffer)
+{
+    if (!Py_IsInitialized())
+        return;
+    PyGILState_STATE gil = PyGILState_Ensure();
+    buffer->exports--;
+    Py_DECREF(buffer);
+    PyGILState_Release(gil);
+}
+
+static void versioned_deleter(DLManagedTensorVersioned *managed)
+{
+    release_export((rlhfz_Buffer *)managed->manager_ctx);
+    free(managed);
+}
+
+static void legacy_deleter(DLManagedTensor *managed)
+{
+    release_export((rlhfz_Buffer *)managed->manager_ctx);
+    free(managed);
+}
+
+/* A capsule that nobody consumed still owns its tensor. */
+static void versioned_capsule_destructor(PyObject *capsule)
+{
+    if (PyCapsule_IsValid(capsule, "used_dltensor_versioned"))
+        return;
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    DLManagedTensorVersioned *managed = PyCapsule_GetPointer(capsule, "dltensor_versioned");
+    if (managed == NULL)
+        PyErr_WriteUnraisable(capsule);
+    else if (managed->deleter)
+        managed->deleter(managed);
+    PyErr_Restore(type, value, traceback);
+}
+
+static void legacy_capsule_destructor(PyObject *capsule)
+{
+    if (PyCapsule_IsValid(capsule, "used_dltensor"))
+        return;
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    DLManagedTensor *managed = PyCapsule_GetPointer(capsule, "dltensor");
+    if (managed == NULL)
+        PyErr_WriteUnraisable(capsule);
+    else if (managed->deleter)
+        managed->deleter(managed);
+    PyErr_Restore(type, value, traceback);
+}
+
+/* Reads a pair of non-negative ints, as DLPack's max_version and dl_device are. */
+static int parse_int_pair(PyObject *obj, const char *what, long *first, long *second)
+{
+    if (!PyTuple_Check(obj) || PyTuple_GET_SIZE(obj) != 2) {
+        PyErr_Format(PyExc_TypeError, "%s must be a tuple of two ints, not %.200s",
+                     what, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    long values[2];
+    for (int i = 0; i < 2; i++) {
+        PyObject *item = PyTuple_GET_ITEM(obj, i);
+        if (!PyLong_Check(item)) {
+            PyErr_Format(PyExc_TypeError, "%s must be a tuple of two ints", what);
+            return -1;
+        }
+        values[i] = PyLong_AsLong(item);
+        if (values[i] == -1 && PyErr_Occurred())
+            return -1;
+        if (values[i] < 0) {
+            PyErr_Format(PyExc_ValueError, "%s entries must be >= 0, not %ld", what, values[i]);
+            return -1;
+        }
+    }
+    *first = values[0];
+    *second = values[1];
+    return 0;
+}
+
+static void fill_tensor(DLTensor *tensor, rlhfz_BufferView *view, rlhfz_Buffer *buffer,
+                        int64_t *shape, int64_t *strides)
+{
+    size_t itemsize = rlhfz_dtype_size(view->dtype);
+    tensor->data = buffer->data;
+    tensor->byte_offset = (uint64_t)(view->offset * itemsize);
+    tensor->device.device_type = kDLCPU;
+    tensor->device.device_id = 0;
+    tensor->ndim = view->ndim;
+    tensor->dtype = rlhfz_dtype_to_dl(view->dtype);
+    int64_t stride = 1;
+    for (int i = view->ndim - 1; i >= 0; i--) {
+        shape[i] = view->shape[i];
+        strides[i] = stride;
+        stride *= view->shape[i] > 0 ? view->shape[i] : 1;
+    }
+    tensor->shape = shape;
+    tensor->strides = strides;
+}
+
+static PyObject *BufferView_dlpack(rlhfz_BufferView *self, PyObject *const *args,
+                                   Py_ssize_t nargs, PyObject *kwnames)
+{
+    static const char *const names[] = {"stream", "max_version", "dl_device", "copy", NULL};
+    PyObject *slots[4];
+    if (rlhfz_parse_args("__dlpack__", args, nargs, kwnames, names, 0, 0, slots) < 0)
+        return NULL;
+    PyObject *stream = slots[0], *max_version = slots[1], *dl_device = slots[2], *copy = slots[3];
+    /* Host memory needs no stream ordering; the array API asks for None here. */
+    if (stream != NULL && stream != Py_None) {
+        PyErr_Format(PyExc_BufferError, "stream must be None for host memory, not %R", stream);
+        return NULL;
+    }
+    if (dl_device != NULL && dl_device != Py_None) {
+        long device_type, device_id;
+        if (parse_int_pair(dl_device, "dl_device", &device_type, &device_id) < 0)
+            return NULL;
+        if (device_type != kDLCPU || device_id != 0) {
+            PyErr_Format(PyExc_BufferError,
+                         "cannot export host memory to DLPack device type %ld (id %ld) without a "
+                         "copy across devices; only kDLCPU (1), id 0, is supported",
+                         device_type, device_id);
+            return NULL;
+        }
+    }
+    int versioned = 0;
+    if (max_version != NULL && max_version != Py_None) {
+        long major, minor;
+        if (parse_int_pair(max_version, "max_version", &major, &minor) < 0)
+            return NULL;
+        versioned = major >= RLHFZ_DLPACK_MAJOR_VERSION;
+    }
+    int want_copy = 0;
+    if (copy != NULL && copy != Py_None) {
+        want_copy = PyObject_IsTrue(copy);
+        if (want_copy < 0)
+            return NULL;
+    }
+
+    rlhfz_Buffer *source = self->buffer;
+    rlhfz_BufferView copied_view = *self;
+    rlhfz_BufferView *view = self;
+    rlhfz_Buffer *buffer = source;
+    if (want_copy) {
+        size_t nbytes = self->numel * rlhfz_dtype_size(self->dtype);
+        rlhfz_state *state = rlhfz_state_from_type(Py_TYPE(self));
+        if (state == NULL)
+            return NULL;
+        buffer = rlhfz_buffer_alloc(state, nbytes, source->alignment < 64 ? 64 : source->alignment, 0);
+        if (buffer == NULL)
+            return NULL;
+        memcpy(buffer->data, (char *)source->data + self->offset * rlhfz_dtype_size(self->dtype), nbytes);
+        copied_view.offset = 0;
+        view = &copied_view;
+    } else {
+        Py_INCREF(buffer);
+    }
+    /* From here `buffer` is a new reference, handed to the export. */
+    PyObject *capsule = NULL;
+    if (versioned) {
+        versioned_export *out = calloc(1, sizeof(*out));
+        if (out == NULL) {
+            Py_DECREF(buffer);
+            return PyErr_NoMemory();
+        }
+        out->managed.version.major = RLHFZ_DLPACK_MAJOR_VERSION;
+        out->managed.version.minor = RLHFZ_DLPACK_MINOR_VERSION;
+        out->managed.manager_ctx = buffer;
+        out->managed.deleter = versioned_deleter;
+        out->managed.flags = want_copy ? RLHFZ_DLPACK_FLAG_IS_COPIED : 0;
+        fill_tensor(&out->managed.dl_tensor, view, buffer, out->shape, out->strides);
+        buffer->exports++;
+        capsule = PyCapsule_New(&out->managed, "dltensor_versioned", versioned_capsule_destructor);
+        if (capsule == NULL) {
+            buffer->exports--;
+            Py_DECREF(buffer);
+            free(out);
+        }
+    } else {
+        legacy_export *out = calloc(1, sizeof(*out));
+        if (out == NULL) {
+            Py_DECREF(buffer);
+            return PyErr_NoMemory();
+        }
+        out->managed.manager_ctx = buffer;
+        out->managed.deleter = legacy_deleter;
+        fill_tensor(&out->managed.dl_tensor, view, buffer, out->shape, out->strides);
+        buffer->exports++;
+        capsule = PyCapsule_New(&out->managed, "dltensor", legacy_capsule_destructor);
+        if (capsule == NULL) {
+            buffer->exports--;
+            Py_DECREF(buffer);
+            free(out);
+        }
+    }
+    return capsule;
+}
+
+static PyObject *BufferView_dlpack_device(rlhfz_BufferView *self, PyObject *unused)
+{
+    return Py_BuildValue("(ii)", (int)kDLCPU, 0);
+}
+
+static PyObject *BufferView_get_buffer(rlhfz_BufferView *self, void *c) { return Py_NewRef(self->buffer); }
+static PyObject *BufferView_get_dtype(rlhfz_BufferView *self, void *c) { return PyUnicode_FromString(rlhfz_dtype_name(self->dtype)); }
+static PyObject *BufferView_get_offset(rlhfz_BufferView *self, void *c) { return PyLong_FromSize_t(self->offset); }
+static PyObject *BufferView_get_numel(rlhfz_BufferView *self, void *c) { return PyLong_FromSize_t(self->numel); }
+
+static PyObject *BufferView_get_nbytes(rlhfz_BufferView *self, void *c)
+{
+    return PyLong_FromSize_t(self->numel * rlhfz_dtype_size(self->dtype));
+}
+
+static PyObject *BufferView_get_address(rlhfz_BufferView *self, void *c)
+{
+    return PyLong_FromVoidPtr((char *)self->buffer->data + self->offset * rlhfz_dtype_size(self->dtype));
+}
+
+static PyObject *BufferView_get_shape(rlhfz_BufferView *self, void *c)
+{
+    PyObject *shape = PyTuple_New(self->ndim);
+    if (shape == NULL)
+        return NULL;
+    for (int i = 0; i < self->ndim; i++) {
+        PyObject *dim = PyLong_FromLongLong(self->shape[i]);
+        if (dim == NULL) {
+            Py_DECREF(shape);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(shape, i, dim);
+    }
+    return shape;
+}
+
+static PyObject *BufferView_repr(rlhfz_BufferView *self)
+{
+    return PyUnicode_FromFormat("<rlhfz._C.BufferView %s[%zu] at offset %zu>",
+                                rlhfz_dtype_name(self->dtype), self->numel, self->offset);
+}
+
+static PyMethodDef BufferView_methods[] = {
+    {"__dlpack__", (PyCFunction)(void (*)(void))BufferView_dlpack, METH_FASTCALL | METH_KEYWORDS,
+     "__dlpack__(*, stream=None, max_version=None, dl_device=None, copy=None)\n\n"
+     "Export as a DLPack capsule: versioned when max_version allows it, else legacy."},
+    {"__dlpack_device__", (PyCFunction)BufferView_dlpack_device, METH_NOARGS,
+     "(device_type, device_id) of the memory, as DLPack numbers it."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef BufferView_getset[] = {
+    {"buffer", (getter)BufferView_get_buffer, NULL, "the Buffer this view is of", NULL},
+    {"dtype", (getter)BufferView_get_dtype, NULL, "element type", NULL},
+    {"offset", (getter)BufferView_get_offset, NULL, "offset in elements of dtype", NULL},
+    {"numel", (getter)BufferView_get_numel, NULL, "number of elements", NULL},
+    {"nbytes", (getter)BufferView_get_nbytes, NULL, "size in bytes", NULL},
+    {"shape", (getter)BufferView_get_shape, NULL, "shape", NULL},
+    {"address", (getter)BufferView_get_address, NULL, "address of the first element", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot BufferView_slots[] = {
+    {Py_tp_doc, "A typed, shaped range of a Buffer, exported through DLPack without copying."},
+    {Py_tp_dealloc, BufferView_dealloc},
+    {Py_tp_traverse, BufferView_traverse},
+    {Py_tp_clear, BufferView_clear},
+    {Py_tp_repr, BufferView_repr},
+    {Py_tp_methods, BufferView_methods},
+    {Py_tp_getset, BufferView_getset},
+    {0, NULL},
+};
+
+static PyType_Spec BufferView_spec = {
+    .name = "rlhfz._C.BufferView",
+    .basicsize = sizeof(rlhfz_BufferView),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE |
+             Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = BufferView_slots,
+};
+
+int rlhfz_buffer_add_types(PyObject *module, rlhfz_state *state)
+{
+    state->Buffer_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &Buffer_spec, NULL);
+    if (state->Buffer_type == NULL || PyModule_AddType(module, state->Buffer_type) < 0)
+        return -1;
+    state->BufferView_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &BufferView_spec, NULL);
+    if (state->BufferView_type == NULL || PyModule_AddType(module, state->BufferView_type) < 0)
+        return -1;
+    return 0;
+}

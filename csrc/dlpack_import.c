@@ -1,0 +1,302 @@
+/* dlpack_import.c: taking tensors in through DLPack, checked before use.
+ *
+ * Kernels borrow a flat, contiguous array for the length of one call; the
+ * capsule is left unconsumed, so its own destructor frees the tensor when the
+ * borrow ends. Buffer.from_dlpack adopts the memory instead: it renames the
+ * capsule "used_*" and runs the producer's deleter when the Buffer dies.
+ * Every rejection is a BufferError naming what was wrong.
+ */
+#include "rlhfz_module.h"
+
+#include <string.h>
+
+static const char *device_name(int32_t device_type)
+{
+    switch (device_type) {
+    case kDLCPU: return "cpu";
+    case kDLCUDA: return "cuda";
+    case kDLCUDAHost: return "cuda_host";
+    case kDLCUDAManaged: return "cuda_managed";
+    case kDLROCM: return "rocm";
+    case kDLROCMHost: return "rocm_host";
+    case kDLOpenCL: return "opencl";
+    case kDLVulkan: return "vulkan";
+    case kDLMetal: return "metal";
+    case kDLOneAPI: return "oneapi";
+    default: return "unknown";
+    }
+}
+
+static void describe_dl_dtype(DLDataType dtype, char *out, size_t size)
+{
+    const char *code;
+    switch (dtype.code) {
+    case kDLInt: code = "int"; break;
+    case kDLUInt: code = "uint"; break;
+    case kDLFloat: code = "float"; break;
+    case kDLBfloat: code = "bfloat"; break;
+    case kDLComplex: code = "complex"; break;
+    case kDLBool: code = "bool"; break;
+    default: code = "code"; break;
+    }
+    if (dtype.lanes != 1)
+        snprintf(out, size, "%s%u x%u lanes", code, (unsigned)dtype.bits, (unsigned)dtype.lanes);
+    else
+        snprintf(out, size, "%s%u", code, (unsigned)dtype.bits);
+}
+
+/* Checks a DLTensor against what rlhfz kernels take, and fills `out`. */
+static int validate_tensor(const DLTensor *tensor, const char *name, rlhfz_array *out)
+{
+    if (tensor->device.device_type != kDLCPU && tensor->device.device_type != kDLCUDAHost) {
+        PyErr_Format(PyExc_BufferError,
+                     "%s is on device %s:%d; this kernel needs host memory (cpu or cuda_host)",
+                     name, device_name(tensor->device.device_type), (int)tensor->device.device_id);
+        return -1;
+    }
+    DLDataType dt = tensor->dtype;
+    if (dt.lanes == 1 && dt.code == kDLFloat && dt.bits == 32)
+        out->dtype = RLHFZ_DTYPE_F32;
+    else if (dt.lanes == 1 && dt.code == kDLBfloat && dt.bits == 16)
+        out->dtype = RLHFZ_DTYPE_BF16;
+    else if (dt.lanes == 1 && dt.code == kDLFloat && dt.bits == 16)
+        out->dtype = RLHFZ_DTYPE_F16;
+    else {
+        char text[48];
+        describe_dl_dtype(dt, text, sizeof(text));
+        PyErr_Format(PyExc_BufferError,
+                     "%s has dtype %s; supported dtypes are float32, bfloat16 and float16",
+                     name, text);
+        return -1;
+    }
+    if (tensor->ndim < 0 || tensor->ndim > RLHFZ_MAX_NDIM) {
+        PyErr_Format(PyExc_BufferError, "%s has %d dimensions; 0 to %d are supported",
+                     name, (int)tensor->ndim, RLHFZ_MAX_NDIM);
+        return -1;
+    }
+    if (tensor->ndim > 0 && tensor->shape == NULL) {
+        PyErr_Format(PyExc_BufferError, "%s has %d dimensions but no shape", name, (int)tensor->ndim);
+        return -1;
+    }
+    size_t numel = 1;
+    for (int i = 0; i < tensor->ndim; i++) {
+        int64_t dim = tensor->shape[i];
+        if (dim < 0) {
+            PyErr_Format(PyExc_BufferError, "%s has a negative dimension %lld at axis %d",
+                         name, (long long)dim, i);
+            return -1;
+        }
+        if (dim != 0 && numel > SIZE_MAX / (size_t)dim) {
+            PyErr_Format(PyExc_BufferError, "%s is too large", name);
+            return -1;
+        }
+        numel *= (size_t)dim;
+        out->shape[i] = dim;
+    }
+    /* Row-major and compact; a stride on a dimension of size 1 carries no meaning. */
+    if (tensor->strides != NULL && numel > 0) {
+        int64_t expected = 1;
+        for (int i = tensor->ndim - 1; i >= 0; i--) {
+            int64_t dim = tensor->shape[i];
+            if (dim != 1 && tensor->strides[i] != expected) {
+                PyErr_Format(PyExc_BufferError,
+                             "%s is not contiguous: stride %lld at axis %d of a dimension of "
+                             "size %lld, where a compact row-major layout has stride %lld",
+                             name, (long long)tensor->strides[i], i, (long long)dim,
+                             (long long)expected);
+                return -1;
+            }
+            expected *= dim;
+        }
+    }
+    size_t itemsize = rlhfz_dtype_size(out->dtype);
+    char *data = (char *)tensor->data + tensor->byte_offset;
+    if (numel > 0 && tensor->data == NULL) {
+        PyErr_Format(PyExc_BufferError, "%s has %zu elements but a null data pointer", name, numel);
+        return -1;
+    }
+    if (((uintptr_t)data) % itemsize != 0) {
+        PyErr_Format(PyExc_BufferError, "%s data at %p is not aligned to its %zu-byte elements",
+                     name, (void *)data, itemsize);
+        return -1;
+    }
+    out->data = data;
+    out->numel = numel;
+    out->ndim = tensor->ndim;
+    out->device = tensor->device;
+    return 0;
+}
+
+/* Calls obj.__dlpack__ asking for a versioned capsule, falling back to the
+ * legacy call for producers that do not take max_version. */
+static PyObject *call_dlpack(PyObject *obj)
+{
+    PyObject *method = PyObject_GetAttrString(obj, "__dlpack__");
+    if (method == NULL)
+        return NULL;
+    PyObject *kwargs = Py_BuildValue("{s(ii)}", "max_version", RLHFZ_DLPACK_MAJOR_VERSION,
+                                     RLHFZ_DLPACK_MINOR_VERSION);
+    if (kwargs == NULL) {
+        Py_DECREF(method);
+        return NULL;
+    }
+    PyObject *empty = PyTuple_New(0);
+    PyObject *capsule = empty ? PyObject_Call(method, empty, kwargs) : NULL;
+    Py_XDECREF(empty);
+    Py_DECREF(kwargs);
+    if (capsule == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {
+        PyErr_Clear();
+        capsule = PyObject_CallNoArgs(method);
+    }
+    Py_DECREF(method);
+    return capsule;
+}
+
+/* Obtains a capsule from obj (or obj itself, if it is one) and its tensor. */
+static PyObject *open_capsule(PyObject *obj, const char *name, DLTensor **tensor, int *readonly,
+                              void **managed, int *versioned)
+{
+    PyObject *capsule;
+    if (PyCapsule_CheckExact(obj)) {
+        capsule = Py_NewRef(obj);
+    } else {
+        if (!PyObject_HasAttrString(obj, "__dlpack__")) {
+            PyErr_Format(PyExc_TypeError,
+                         "%s must be a tensor or array supporting DLPack (__dlpack__), "
+                         "not %.200s", name, Py_TYPE(obj)->tp_name);
+            return NULL;
+        }
+        capsule = call_dlpack(obj);
+        if (capsule == NULL)
+            return NULL;
+    }
+    if (PyCapsule_IsValid(capsule, "dltensor_versioned")) {
+        DLManagedTensorVersioned *m = PyCapsule_GetPointer(capsule, "dltensor_versioned");
+        if (m->version.major != RLHFZ_DLPACK_MAJOR_VERSION) {
+            PyErr_Format(PyExc_BufferError,
+                         "%s uses DLPack version %u.%u; rlhfz reads major version %d",
+                         name, (unsigned)m->version.major, (unsigned)m->version.minor,
+                         RLHFZ_DLPACK_MAJOR_VERSION);
+            Py_DECREF(capsule);
+            return NULL;
+        }
+        *tensor = &m->dl_tensor;
+        *readonly = (m->flags & RLHFZ_DLPACK_FLAG_READ_ONLY) != 0;
+        *managed = m;
+        *versioned = 1;
+    } else if (PyCapsule_IsValid(capsule, "dltensor")) {
+        DLManagedTensor *m = PyCapsule_GetPointer(capsule, "dltensor");
+        *tensor = &m->dl_tensor;
+        *readonly = 0;
+        *managed = m;
+        *versioned = 0;
+    } else if (PyCapsule_IsValid(capsule, "used_dltensor") ||
+               PyCapsule_IsValid(capsule, "used_dltensor_versioned")) {
+        PyErr_Format(PyExc_BufferError, "%s is a DLPack capsule that was already consumed", name);
+        Py_DECREF(capsule);
+        return NULL;
+    } else {
+        PyErr_Format(PyExc_BufferError, "%s: __dlpack__ returned %.200s, not a DLPack capsule",
+                     name, Py_TYPE(capsule)->tp_name);
+        Py_DECREF(capsule);
+        return NULL;
+    }
+    return capsule;
+}
+
+int rlhfz_array_from_object(rlhfz_state *state, PyObject *obj, const char *name,
+                            int writable, rlhfz_array *out)
+{
+    memset(out, 0, sizeof(*out));
+    /* rlhfz's own views need no capsule round trip: this is the hot path. */
+    if (Py_TYPE(obj) == state->BufferView_type) {
+        rlhfz_BufferView *view = (rlhfz_BufferView *)obj;
+        out->data = (char *)view->buffer->data + view->offset * rlhfz_dtype_size(view->dtype);
+        out->dtype = view->dtype;
+        out->numel = view->numel;
+        out->ndim = view->ndim;
+        memcpy(out->shape, view->shape, sizeof(int64_t) * (size_t)view->ndim);
+        out->device.device_type = kDLCPU;
+        out->device.device_id = 0;
+        out->keepalive = Py_NewRef(obj);
+        return 0;
+    }
+    DLTensor *tensor;
+    int readonly, versioned;
+    void *managed;
+    PyObject *capsule = open_capsule(obj, name, &tensor, &readonly, &managed, &versioned);
+    if (capsule == NULL)
+        return -1;
+    if (validate_tensor(tensor, name, out) < 0) {
+        Py_DECREF(capsule);
+        return -1;
+    }
+    if (writable && readonly) {
+        PyErr_Format(PyExc_BufferError, "%s is read-only, but this kernel writes to it", name);
+        Py_DECREF(capsule);
+        return -1;
+    }
+    out->readonly = readonly;
+    out->keepalive = capsule;
+    return 0;
+}
+
+void rlhfz_array_release(rlhfz_array *array)
+{
+    Py_CLEAR(array->keepalive);
+}
+
+int rlhfz_buffer_import_dlpack(rlhfz_Buffer *buffer, PyObject *obj)
+{
+    DLTensor *tensor;
+    int readonly, versioned;
+    void *managed;
+    PyObject *capsule = open_capsule(obj, "tensor", &tensor, &readonly, &managed, &versioned);
+    if (capsule == NULL)
+        return -1;
+    rlhfz_array array;
+    memset(&array, 0, sizeof(array));
+    if (validate_tensor(tensor, "tensor", &array) < 0)
+        goto error;
+    if (readonly) {
+        PyErr_SetString(PyExc_BufferError, "tensor is read-only; a Buffer must be writable");
+        goto error;
+    }
+    /* Taking ownership: the capsule must no longer free the tensor. */
+    if (PyCapsule_SetName(capsule, versioned ? "used_dltensor_versioned" : "used_dltensor") < 0)
+        goto error;
+    buffer->data = array.data;
+    buffer->nbytes = array.numel * rlhfz_dtype_size(array.dtype);
+    buffer->external = managed;
+    buffer->external_versioned = versioned;
+    Py_DECREF(capsule);
+    return 0;
+error:
+    Py_DECREF(capsule);
+    return -1;
+}
+
+PyObject *rlhfz_describe_dlpack(PyObject *module, PyObject *obj)
+{
+    rlhfz_state *state = rlhfz_get_state(module);
+    rlhfz_array array;
+    if (rlhfz_array_from_object(state, obj, "tensor", 0, &array) < 0)
+        return NULL;
+    PyObject *shape = PyTuple_New(array.ndim);
+    if (shape == NULL) {
+        rlhfz_array_release(&array);
+        return NULL;
+    }
+    for (int i = 0; i < array.ndim; i++)
+        PyTuple_SET_ITEM(shape, i, PyLong_FromLongLong(array.shape[i]));
+    PyObject *result = Py_BuildValue(
+        "{s:N,s:s,s:N,s:n,s:(ii),s:O}",
+        "address", PyLong_FromVoidPtr(array.data),
+        "dtype", rlhfz_dtype_name(array.dtype),
+        "shape", shape,
+        "numel", (Py_ssize_t)array.numel,
+        "device", (int)array.device.device_type, (int)array.device.device_id,
+        "readonly", array.readonly ? Py_True : Py_False);
+    rlhfz_array_release(&array);
+    return result;
+}

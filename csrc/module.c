@@ -1,0 +1,164 @@
+/* module.c: the rlhfz._C module: multi-phase init, module state, and the
+ * entry points that describe the build and set the CPU threads. */
+#include "rlhfz_module.h"
+
+#ifndef RLHFZ_VERSION
+#define RLHFZ_VERSION "0.1.0"
+#endif
+
+rlhfz_state *rlhfz_get_state(PyObject *module)
+{
+    return (rlhfz_state *)PyModule_GetState(module);
+}
+
+rlhfz_state *rlhfz_state_from_type(PyTypeObject *type)
+{
+    return (rlhfz_state *)PyType_GetModuleState(type);
+}
+
+static PyObject *build_info(PyObject *module, PyObject *unused)
+{
+    PyObject *info = PyDict_New();
+    if (info == NULL)
+        return NULL;
+    PyObject *cuda_error = Py_None;
+    int device_count = 0;
+    int cuda_compiled = 0;
+    int runtime_version = 0;
+#ifdef RLHFZ_WITH_CUDA
+    cuda_compiled = 1;
+    const char *error = NULL;
+    rlhfz_status status;
+    Py_BEGIN_ALLOW_THREADS
+    status = rlhfz_cuda_device_count(&device_count, &error);
+    runtime_version = rlhfz_cuda_runtime_version();
+    Py_END_ALLOW_THREADS
+    if (status != RLHFZ_OK && error != NULL)
+        cuda_error = PyUnicode_FromString(error);
+    else
+        Py_INCREF(cuda_error);
+#else
+    Py_INCREF(cuda_error);
+#endif
+    if (cuda_error == NULL)
+        goto error;
+    rlhfz_simd_level simd = rlhfz_simd_detect();
+    PyObject *values = Py_BuildValue(
+        "{s:s,s:O,s:O,s:i,s:i,s:N,s:O,s:s,s:i,s:i}",
+        "version", RLHFZ_VERSION,
+        "cuda_compiled", cuda_compiled ? Py_True : Py_False,
+        "cuda", device_count > 0 ? Py_True : Py_False,
+        "cuda_devices", device_count,
+        "cuda_runtime_version", runtime_version,
+        "cuda_error", cuda_error,
+        /* the native NCCL communicator comes with the CUDA backend */
+        "nccl", Py_False,
+        "simd", rlhfz_simd_name(simd),
+        "threads", rlhfz_threads_get(),
+        "dlpack_version", RLHFZ_DLPACK_MAJOR_VERSION * 100 + RLHFZ_DLPACK_MINOR_VERSION);
+    if (values == NULL || PyDict_Update(info, values) < 0) {
+        Py_XDECREF(values);
+        goto error;
+    }
+    Py_DECREF(values);
+    return info;
+error:
+    Py_DECREF(info);
+    return NULL;
+}
+
+static PyObject *set_num_threads(PyObject *module, PyObject *arg)
+{
+    int64_t n;
+    if (rlhfz_arg_int64(arg, "n", &n) < 0)
+        return NULL;
+    if (n < 1 || n > 4096) {
+        PyErr_Format(PyExc_ValueError, "thread count must be in [1, 4096], not %lld", (long long)n);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    rlhfz_threads_set((int)n);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *get_num_threads(PyObject *module, PyObject *unused)
+{
+    return PyLong_FromLong(rlhfz_threads_get());
+}
+
+static PyObject *simd_level(PyObject *module, PyObject *unused)
+{
+    return PyUnicode_FromString(rlhfz_simd_name(rlhfz_simd_detect()));
+}
+
+static PyObject *describe_dlpack(PyObject *module, PyObject *obj)
+{
+    return rlhfz_describe_dlpack(module, obj);
+}
+
+static PyMethodDef module_methods[] = {
+    {"build_info", build_info, METH_NOARGS,
+     "build_info() -> dict: version, CUDA and NCCL availability, SIMD level, threads."},
+    {"set_num_threads", set_num_threads, METH_O, "set_num_threads(n): threads for CPU kernels."},
+    {"get_num_threads", get_num_threads, METH_NOARGS, "get_num_threads() -> int"},
+    {"simd_level", simd_level, METH_NOARGS, "simd_level() -> str: the SIMD level in use."},
+    {"describe_dlpack", describe_dlpack, METH_O,
+     "describe_dlpack(tensor) -> dict: what the DLPack importer sees (after validation)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static int module_exec(PyObject *module)
+{
+    rlhfz_state *state = rlhfz_get_state(module);
+    if (rlhfz_buffer_add_types(module, state) < 0)
+        return -1;
+    if (PyModule_AddFunctions(module, rlhfz_cpu_ops_methods) < 0)
+        return -1;
+    if (PyModule_AddStringConstant(module, "__version__", RLHFZ_VERSION) < 0)
+        return -1;
+    return 0;
+}
+
+static int module_traverse(PyObject *module, visitproc visit, void *arg)
+{
+    rlhfz_state *state = rlhfz_get_state(module);
+    Py_VISIT(state->Buffer_type);
+    Py_VISIT(state->BufferView_type);
+    return 0;
+}
+
+static int module_clear(PyObject *module)
+{
+    rlhfz_state *state = rlhfz_get_state(module);
+    Py_CLEAR(state->Buffer_type);
+    Py_CLEAR(state->BufferView_type);
+    return 0;
+}
+
+static void module_free(void *module)
+{
+    module_clear((PyObject *)module);
+}
+
+static PyModuleDef_Slot module_slots[] = {
+    {Py_mod_exec, module_exec},
+    {0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "rlhfz._C",
+    .m_doc = "rlhfz's C core: tiered buffers with DLPack views, and the CPU/CUDA kernels.",
+    .m_size = sizeof(rlhfz_state),
+    .m_methods = module_methods,
+    .m_slots = module_slots,
+    .m_traverse = module_traverse,
+    .m_clear = module_clear,
+    .m_free = module_free,
+};
+
+PyMODINIT_FUNC PyInit__C(void)
+{
+    return PyModuleDef_Init(&module_def);
+}

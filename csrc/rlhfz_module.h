@@ -1,0 +1,97 @@
+/* rlhfz_module.h: what the files of the rlhfz._C extension share.
+ *
+ * The module keeps its types in module state (no C globals). Buffer owns an
+ * aligned allocation in a memory tier; BufferView names a typed, shaped range
+ * of it and exports that range through DLPack without copying.
+ */
+#ifndef RLHFZ_MODULE_H
+#define RLHFZ_MODULE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "dlpack.h"
+#include "rlhfz_kernels.h"
+
+#define RLHFZ_MAX_NDIM 8
+#define RLHFZ_DEFAULT_ALIGNMENT 64
+
+typedef struct {
+    PyTypeObject *Buffer_type;
+    PyTypeObject *BufferView_type;
+} rlhfz_state;
+
+typedef enum {
+    RLHFZ_TIER_HOST = 0,
+    RLHFZ_TIER_EXTERNAL = 1   /* memory imported through DLPack, owned by its producer */
+} rlhfz_tier;
+
+typedef struct {
+    PyObject_HEAD
+    void *data;
+    size_t nbytes;
+    size_t alignment;
+    rlhfz_tier tier;
+    Py_ssize_t exports;          /* DLPack exports not yet released by their consumers */
+    /* tier external: the imported managed tensor, released on dealloc */
+    void *external;
+    int external_versioned;
+    PyObject *weakreflist;
+} rlhfz_Buffer;
+
+typedef struct {
+    PyObject_HEAD
+    rlhfz_Buffer *buffer;        /* strong reference: a view keeps its buffer alive */
+    rlhfz_dtype dtype;
+    size_t offset;               /* in elements of dtype */
+    int ndim;
+    int64_t shape[RLHFZ_MAX_NDIM];
+    size_t numel;
+} rlhfz_BufferView;
+
+/* A flat, contiguous array borrowed from a Python object for one call. */
+typedef struct {
+    void *data;
+    rlhfz_dtype dtype;
+    size_t numel;
+    int ndim;
+    int64_t shape[RLHFZ_MAX_NDIM];
+    DLDevice device;
+    int readonly;
+    PyObject *keepalive;         /* owns `data` for as long as the borrow lasts */
+} rlhfz_array;
+
+rlhfz_state *rlhfz_get_state(PyObject *module);
+rlhfz_state *rlhfz_state_from_type(PyTypeObject *type);
+
+/* buffer.c */
+int rlhfz_buffer_add_types(PyObject *module, rlhfz_state *state);
+rlhfz_Buffer *rlhfz_buffer_alloc(rlhfz_state *state, size_t nbytes, size_t alignment, int zero);
+
+/* dlpack_import.c */
+int rlhfz_array_from_object(rlhfz_state *state, PyObject *obj, const char *name,
+                            int writable, rlhfz_array *out);
+void rlhfz_array_release(rlhfz_array *array);
+int rlhfz_buffer_import_dlpack(rlhfz_Buffer *buffer, PyObject *obj);
+PyObject *rlhfz_describe_dlpack(PyObject *module, PyObject *obj);
+
+/* dtype names: "float32", "bfloat16", "float16" */
+int rlhfz_dtype_from_object(PyObject *obj, rlhfz_dtype *out);
+const char *rlhfz_dtype_name(rlhfz_dtype dtype);
+DLDataType rlhfz_dtype_to_dl(rlhfz_dtype dtype);
+
+/* args.c: METH_FASTCALL | METH_KEYWORDS argument binding, public C API only.
+ * names is NULL-terminated; at most max_positional may come by position and
+ * the first nrequired must be given. Slots receive borrowed references. */
+int rlhfz_parse_args(const char *func, PyObject *const *args, Py_ssize_t nargs,
+                     PyObject *kwnames, const char *const *names,
+                     int max_positional, int nrequired, PyObject **slots);
+int rlhfz_arg_double(PyObject *obj, const char *name, double *out);
+int rlhfz_arg_int64(PyObject *obj, const char *name, int64_t *out);
+
+/* cpu_ops.c */
+extern PyMethodDef rlhfz_cpu_ops_methods[];
+
+#endif /* RLHFZ_MODULE_H */

@@ -1,0 +1,363 @@
+/* adamw_cpu.c: the CPU entry points, and the scalar level they fall back to.
+ *
+ * Each entry point checks its arguments, picks a SIMD level, and runs that
+ * level's chunk function over the thread pool in ranges of whole 64-element
+ * blocks (cache-line aligned when the arrays are). The scalar chunk
+ * functions here state the per-element math plainly; the SIMD levels call
+ * them for their tails, so every level computes the same bits.
+ */
+#include "rlhfz_kernels.h"
+
+#include <math.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "cpu_kernels_simd.h"
+#include "half_convert.h"
+#include "thread_pool.h"
+
+/* The chunk function of `op` at `level` (a level resolved, never BEST). */
+#if defined(__x86_64__) || defined(__i386__)
+#define CHUNK_FOR(op, level)                                                    \
+    ((level) == RLHFZ_SIMD_AVX512 ? rlhfz_##op##_chunk_avx512                   \
+     : (level) == RLHFZ_SIMD_AVX2 ? rlhfz_##op##_chunk_avx2                     \
+                                  : rlhfz_##op##_chunk_scalar)
+#else
+#define CHUNK_FOR(op, level) ((void)(level), rlhfz_##op##_chunk_scalar)
+#endif
+
+/* Elements per pool block: 64 fp32 are 4 cache lines, 64 16-bit values 2. */
+#define RLHFZ_GRAIN 64
+
+/* ---- scalar element access ------------------------------------------------ */
+
+static inline float load_f32(const void *x, rlhfz_dtype dtype, size_t i)
+{
+    switch (dtype) {
+    case RLHFZ_DTYPE_BF16:
+        return rlhfz_bf16_to_f32(((const uint16_t *)x)[i]);
+    case RLHFZ_DTYPE_F16:
+        return rlhfz_f16_to_f32(((const uint16_t *)x)[i]);
+    default:
+        return ((const float *)x)[i];
+    }
+}
+
+static inline void store_f32(void *x, rlhfz_dtype dtype, size_t i, float value)
+{
+    switch (dtype) {
+    case RLHFZ_DTYPE_BF16:
+        ((uint16_t *)x)[i] = rlhfz_f32_to_bf16(value);
+        break;
+    case RLHFZ_DTYPE_F16:
+        ((uint16_t *)x)[i] = rlhfz_f32_to_f16(value);
+        break;
+    default:
+        ((float *)x)[i] = value;
+        break;
+    }
+}
+
+/* ---- scalar chunk functions ----------------------------------------------- */
+
+void rlhfz_adamw_chunk_scalar(const rlhfz_adamw_shard *shard, const rlhfz_adamw_consts *c,
+                              size_t begin, size_t end)
+{
+    for (size_t i = begin; i < end; i++) {
+        float g = load_f32(shard->grad, shard->grad_dtype, i) * c->grad_scale;
+
+        /* decoupled weight decay */
+        float p = shard->master[i] * c->decay;
+
+        /* update the first moment: a lerp toward g */
+        float m = shard->exp_avg[i];
+        m = m + c->beta1_weight * (g - m);
+
+        /* update the second moment */
+        float v = shard->exp_avg_sq[i] * c->beta2;
+        v = v + c->beta2_weight * g * g;
+
+        /* the bias-corrected step */
+        float denom = sqrtf(v) / c->bias_correction2_sqrt + c->eps;
+        p = p - c->step_size * (m / denom);
+
+        shard->master[i] = p;
+        shard->exp_avg[i] = m;
+        shard->exp_avg_sq[i] = v;
+        if (shard->param_out)
+            store_f32(shard->param_out, shard->param_dtype, i, p);
+    }
+}
+
+double rlhfz_sumsq_chunk_scalar(const void *x, rlhfz_dtype dtype, size_t begin, size_t end)
+{
+    double sum = 0.0;
+    for (size_t i = begin; i < end; i++) {
+        double value = load_f32(x, dtype, i);
+        sum += value * value;
+    }
+    return sum;
+}
+
+void rlhfz_scale_chunk_scalar(void *x, rlhfz_dtype dtype, float scale, size_t begin, size_t end)
+{
+    for (size_t i = begin; i < end; i++)
+        store_f32(x, dtype, i, load_f32(x, dtype, i) * scale);
+}
+
+void rlhfz_cast_chunk_scalar(const void *src, rlhfz_dtype src_dtype, void *dst,
+                             rlhfz_dtype dst_dtype, size_t begin, size_t end)
+{
+    /* 16-bit to 16-bit goes through fp32 exactly, so it rounds once */
+    for (size_t i = begin; i < end; i++)
+        store_f32(dst, dst_dtype, i, load_f32(src, src_dtype, i));
+}
+
+void rlhfz_traffic_chunk_scalar(float *p, const float *g, float *m, float *v, size_t begin,
+                                size_t end)
+{
+    for (size_t i = begin; i < end; i++) {
+        p[i] += g[i];
+        m[i] += g[i];
+        v[i] += g[i];
+    }
+}
+
+/* ---- argument checks and level selection ---------------------------------- */
+
+static int dtype_valid(rlhfz_dtype dtype)
+{
+    return dtype == RLHFZ_DTYPE_F32 || dtype == RLHFZ_DTYPE_BF16 || dtype == RLHFZ_DTYPE_F16;
+}
+
+rlhfz_status rlhfz_adamw_check_args(const rlhfz_adamw_shard *shard,
+                                    const rlhfz_adamw_hparams *hp)
+{
+    if (!shard || !hp)
+        return RLHFZ_ERR_INVALID;
+    if (!dtype_valid(shard->grad_dtype))
+        return RLHFZ_ERR_INVALID;
+    if (shard->param_out && !dtype_valid(shard->param_dtype))
+        return RLHFZ_ERR_INVALID;
+    if (shard->n == 0)
+        return RLHFZ_OK; /* empty tensors may have null data */
+    if (!shard->master || !shard->exp_avg || !shard->exp_avg_sq || !shard->grad)
+        return RLHFZ_ERR_INVALID;
+    return RLHFZ_OK;
+}
+
+void rlhfz_adamw_consts_init(rlhfz_adamw_consts *c, const rlhfz_adamw_hparams *hp)
+{
+    c->grad_scale = hp->maximize ? -hp->grad_scale : hp->grad_scale;
+    c->decay = hp->decay;
+    c->beta1_weight = hp->beta1_weight;
+    c->beta2 = hp->beta2;
+    c->beta2_weight = hp->beta2_weight;
+    c->eps = hp->eps;
+    c->step_size = hp->step_size;
+    c->bias_correction2_sqrt = hp->bias_correction2_sqrt;
+}
+
+static rlhfz_status resolve_level(rlhfz_simd_level asked, rlhfz_simd_level *level)
+{
+    rlhfz_simd_level detected = rlhfz_simd_detect();
+    if (asked == RLHFZ_SIMD_BEST) {
+        *level = detected;
+        return RLHFZ_OK;
+    }
+    if (asked < RLHFZ_SIMD_SCALAR || asked > RLHFZ_SIMD_AVX512)
+        return RLHFZ_ERR_INVALID;
+    if (asked > detected)
+        return RLHFZ_ERR_UNSUPPORTED;
+    *level = asked;
+    return RLHFZ_OK;
+}
+
+/* ---- AdamW ---------------------------------------------------------------- */
+
+typedef void (*adamw_chunk_fn)(const rlhfz_adamw_shard *, const rlhfz_adamw_consts *,
+                               size_t, size_t);
+
+typedef struct {
+    const rlhfz_adamw_shard *shard;
+    rlhfz_adamw_consts consts;
+    adamw_chunk_fn chunk;
+} adamw_job;
+
+static void adamw_range(void *ctx, size_t begin, size_t end)
+{
+    const adamw_job *job = ctx;
+    job->chunk(job->shard, &job->consts, begin, end);
+}
+
+rlhfz_status rlhfz_adamw_cpu(const rlhfz_adamw_shard *shard, const rlhfz_adamw_hparams *hp,
+                             rlhfz_simd_level level)
+{
+    rlhfz_status status = rlhfz_adamw_check_args(shard, hp);
+    if (status != RLHFZ_OK)
+        return status;
+    status = resolve_level(level, &level);
+    if (status != RLHFZ_OK || shard->n == 0)
+        return status;
+
+    adamw_job job = {.shard = shard, .chunk = CHUNK_FOR(adamw, level)};
+    rlhfz_adamw_consts_init(&job.consts, hp);
+    return rlhfz_parallel_for(shard->n, RLHFZ_GRAIN, adamw_range, &job);
+}
+
+/* ---- sum of squares ------------------------------------------------------- */
+
+typedef double (*sumsq_chunk_fn)(const void *, rlhfz_dtype, size_t, size_t);
+
+/* One partial per range, keyed by where the range begins, so the partials
+ * can be added in the same order whichever thread finished first. */
+typedef struct {
+    size_t begin;
+    double sum;
+} sumsq_partial;
+
+typedef struct {
+    const void *x;
+    rlhfz_dtype dtype;
+    sumsq_chunk_fn chunk;
+    atomic_int count;
+    sumsq_partial partials[RLHFZ_MAX_THREADS];
+} sumsq_job;
+
+static void sumsq_range(void *ctx, size_t begin, size_t end)
+{
+    sumsq_job *job = ctx;
+    double sum = job->chunk(job->x, job->dtype, begin, end);
+    int slot = atomic_fetch_add(&job->count, 1);
+    job->partials[slot].begin = begin;
+    job->partials[slot].sum = sum;
+}
+
+rlhfz_status rlhfz_sumsq_cpu(const void *x, rlhfz_dtype dtype, size_t n, double *out)
+{
+    if (!out || !dtype_valid(dtype) || (n > 0 && !x))
+        return RLHFZ_ERR_INVALID;
+    *out = 0.0;
+    if (n == 0)
+        return RLHFZ_OK;
+
+    sumsq_job job = {.x = x, .dtype = dtype, .chunk = CHUNK_FOR(sumsq, rlhfz_simd_detect())};
+    atomic_init(&job.count, 0);
+    rlhfz_status status = rlhfz_parallel_for(n, RLHFZ_GRAIN, sumsq_range, &job);
+    if (status != RLHFZ_OK)
+        return status;
+
+    /* add in order of position (insertion sort: a few entries) */
+    int count = atomic_load(&job.count);
+    for (int i = 1; i < count; i++) {
+        sumsq_partial item = job.partials[i];
+        int j = i;
+        for (; j > 0 && job.partials[j - 1].begin > item.begin; j--)
+            job.partials[j] = job.partials[j - 1];
+        job.partials[j] = item;
+    }
+    double sum = 0.0;
+    for (int i = 0; i < count; i++)
+        sum += job.partials[i].sum;
+    *out = sum;
+    return RLHFZ_OK;
+}
+
+/* ---- scale ---------------------------------------------------------------- */
+
+typedef struct {
+    void *x;
+    rlhfz_dtype dtype;
+    float scale;
+    void (*chunk)(void *, rlhfz_dtype, float, size_t, size_t);
+} scale_job;
+
+static void scale_range(void *ctx, size_t begin, size_t end)
+{
+    const scale_job *job = ctx;
+    job->chunk(job->x, job->dtype, job->scale, begin, end);
+}
+
+rlhfz_status rlhfz_scale_cpu(void *x, rlhfz_dtype dtype, size_t n, float scale)
+{
+    if (!dtype_valid(dtype) || (n > 0 && !x))
+        return RLHFZ_ERR_INVALID;
+    if (n == 0)
+        return RLHFZ_OK;
+
+    scale_job job = {.x = x, .dtype = dtype, .scale = scale,
+                     .chunk = CHUNK_FOR(scale, rlhfz_simd_detect())};
+    return rlhfz_parallel_for(n, RLHFZ_GRAIN, scale_range, &job);
+}
+
+/* ---- cast ----------------------------------------------------------------- */
+
+typedef struct {
+    const void *src;
+    rlhfz_dtype src_dtype;
+    void *dst;
+    rlhfz_dtype dst_dtype;
+    void (*chunk)(const void *, rlhfz_dtype, void *, rlhfz_dtype, size_t, size_t);
+} cast_job;
+
+static void cast_range(void *ctx, size_t begin, size_t end)
+{
+    const cast_job *job = ctx;
+    job->chunk(job->src, job->src_dtype, job->dst, job->dst_dtype, begin, end);
+}
+
+static void copy_range(void *ctx, size_t begin, size_t end)
+{
+    const cast_job *job = ctx;
+    size_t size = rlhfz_dtype_size(job->src_dtype);
+    memcpy((char *)job->dst + begin * size, (const char *)job->src + begin * size,
+           (end - begin) * size);
+}
+
+rlhfz_status rlhfz_cast_cpu(const void *src, rlhfz_dtype src_dtype, void *dst,
+                            rlhfz_dtype dst_dtype, size_t n)
+{
+    if (!dtype_valid(src_dtype) || !dtype_valid(dst_dtype) || (n > 0 && (!src || !dst)))
+        return RLHFZ_ERR_INVALID;
+    if (n == 0)
+        return RLHFZ_OK;
+
+    cast_job job = {.src = src, .src_dtype = src_dtype, .dst = dst, .dst_dtype = dst_dtype,
+                    .chunk = CHUNK_FOR(cast, rlhfz_simd_detect())};
+    if (src_dtype == dst_dtype) {
+        if (src == dst)
+            return RLHFZ_OK;
+        return rlhfz_parallel_for(n, RLHFZ_GRAIN, copy_range, &job);
+    }
+    return rlhfz_parallel_for(n, RLHFZ_GRAIN, cast_range, &job);
+}
+
+/* ---- the traffic bound ---------------------------------------------------- */
+
+typedef struct {
+    float *p;
+    const float *g;
+    float *m;
+    float *v;
+    void (*chunk)(float *, const float *, float *, float *, size_t, size_t);
+} traffic_job;
+
+static void traffic_range(void *ctx, size_t begin, size_t end)
+{
+    const traffic_job *job = ctx;
+    job->chunk(job->p, job->g, job->m, job->v, begin, end);
+}
+
+rlhfz_status rlhfz_adamw_traffic_bound_cpu(float *p, const float *g, float *m, float *v,
+                                           size_t n)
+{
+    if (n > 0 && (!p || !g || !m || !v))
+        return RLHFZ_ERR_INVALID;
+    if (n == 0)
+        return RLHFZ_OK;
+
+    traffic_job job = {.p = p, .g = g, .m = m, .v = v,
+                       .chunk = CHUNK_FOR(traffic, rlhfz_simd_detect())};
+    return rlhfz_parallel_for(n, RLHFZ_GRAIN, traffic_range, &job);
+}

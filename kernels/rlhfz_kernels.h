@@ -1,0 +1,131 @@
+/* rlhfz_kernels.h: the C ABI of rlhfz's compute kernels.
+ *
+ * Pure compute over flat arrays. Nothing here knows of Python, tensors or
+ * buffers: callers pass raw pointers, element counts and dtypes, and get a
+ * status code back. Kernels never print, never exit and never allocate per
+ * call (the CPU thread pool is created once and reused).
+ */
+#ifndef RLHFZ_KERNELS_H
+#define RLHFZ_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum {
+    RLHFZ_OK = 0,
+    RLHFZ_ERR_INVALID = 1,     /* a null pointer where data is needed, or a bad enum */
+    RLHFZ_ERR_UNSUPPORTED = 2, /* a dtype or SIMD level this build or CPU lacks */
+    RLHFZ_ERR_NOMEM = 3,
+    RLHFZ_ERR_THREADS = 4,     /* the thread pool could not be started */
+    RLHFZ_ERR_CUDA = 5
+} rlhfz_status;
+
+typedef enum {
+    RLHFZ_DTYPE_F32 = 0,
+    RLHFZ_DTYPE_BF16 = 1,
+    RLHFZ_DTYPE_F16 = 2
+} rlhfz_dtype;
+
+typedef enum {
+    RLHFZ_SIMD_BEST = -1,      /* the widest level the running CPU supports */
+    RLHFZ_SIMD_SCALAR = 0,
+    RLHFZ_SIMD_AVX2 = 1,       /* AVX2 + FMA + F16C */
+    RLHFZ_SIMD_AVX512 = 2      /* AVX-512 F + BW + VL + DQ */
+} rlhfz_simd_level;
+
+/* Size in bytes of one element of dtype, or 0 for an unknown dtype. */
+size_t rlhfz_dtype_size(rlhfz_dtype dtype);
+
+/* ---- run-time CPU dispatch and threads ------------------------------------ */
+
+/* The widest SIMD level this CPU and OS support (checked once, with cpuid+xgetbv). */
+rlhfz_simd_level rlhfz_simd_detect(void);
+const char *rlhfz_simd_name(rlhfz_simd_level level);
+
+/* Threads used by the CPU kernels. Default: the CPUs this process may run on.
+ * n < 1 is clamped to 1. Safe to call between kernel calls from any thread. */
+void rlhfz_threads_set(int n);
+int rlhfz_threads_get(void);
+
+/* ---- AdamW ---------------------------------------------------------------- */
+
+/* Hyperparameters for one step over one flat shard, as the kernels use them.
+ * The caller derives each from its double-precision settings and rounds it
+ * to float once, as torch.optim.AdamW does with its Python floats (rounding
+ * 1 - beta1 from a float beta1 would differ from torch in the last bit). */
+typedef struct {
+    float decay;                 /* 1 - lr * weight_decay (decoupled: master *= decay) */
+    float beta1_weight;          /* 1 - beta1 */
+    float beta2;
+    float beta2_weight;          /* 1 - beta2 */
+    float eps;
+    float step_size;             /* lr / (1 - beta1^t) */
+    float bias_correction2_sqrt; /* sqrt(1 - beta2^t) */
+    float grad_scale;            /* the grad is multiplied by this first (1: as is) */
+    int maximize;                /* nonzero: ascend, i.e. use -grad */
+} rlhfz_adamw_hparams;
+
+/* One flat shard of n elements. master, exp_avg and exp_avg_sq are fp32 and
+ * updated in place. grad is read in grad_dtype. If param_out is not NULL, the
+ * updated master is also written there in param_dtype, rounded to nearest
+ * even (this is how 16-bit params get their new values in the same pass). */
+typedef struct {
+    float *master;
+    float *exp_avg;
+    float *exp_avg_sq;
+    const void *grad;
+    rlhfz_dtype grad_dtype;
+    void *param_out;
+    rlhfz_dtype param_dtype;
+    size_t n;
+} rlhfz_adamw_shard;
+
+/* The plain reference: scalar, single-threaded, the math written out once. */
+rlhfz_status rlhfz_adamw_reference(const rlhfz_adamw_shard *shard,
+                                   const rlhfz_adamw_hparams *hp);
+
+/* The fast path: SIMD at `level` (RLHFZ_SIMD_BEST picks at run time) over the
+ * thread pool. Asking for a level the CPU lacks returns RLHFZ_ERR_UNSUPPORTED. */
+rlhfz_status rlhfz_adamw_cpu(const rlhfz_adamw_shard *shard,
+                             const rlhfz_adamw_hparams *hp,
+                             rlhfz_simd_level level);
+
+/* ---- reductions, scaling and casts ---------------------------------------- */
+
+/* Sum of squares of n elements, accumulated in double. The result is Inf or
+ * NaN if and only if some element is (finite fp32 squares cannot overflow a
+ * double), so this one pass serves both grad clipping and the NaN/Inf check. */
+rlhfz_status rlhfz_sumsq_cpu(const void *x, rlhfz_dtype dtype, size_t n,
+                             double *out);
+
+/* x *= scale in place, in x's dtype (16-bit values rounded to nearest even). */
+rlhfz_status rlhfz_scale_cpu(void *x, rlhfz_dtype dtype, size_t n, float scale);
+
+/* dst = src converted, n elements; rounding to nearest even into 16 bits. */
+rlhfz_status rlhfz_cast_cpu(const void *src, rlhfz_dtype src_dtype,
+                            void *dst, rlhfz_dtype dst_dtype, size_t n);
+
+/* ---- the memory-bandwidth bound for AdamW --------------------------------- */
+
+/* Exactly AdamW's fp32 memory traffic (read p, g, m, v; write p, m, v: 28
+ * bytes per element) with trivial arithmetic, on the same thread pool. Its
+ * throughput is the ceiling an AdamW step can reach on this machine. */
+rlhfz_status rlhfz_adamw_traffic_bound_cpu(float *p, const float *g, float *m,
+                                           float *v, size_t n);
+
+/* ---- CUDA (present only when built with nvcc) ----------------------------- */
+
+/* Number of visible CUDA devices; 0 with no driver or no device. Returns the
+ * runtime's error string through *error (static storage) when it fails. */
+rlhfz_status rlhfz_cuda_device_count(int *count, const char **error);
+int rlhfz_cuda_runtime_version(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* RLHFZ_KERNELS_H */

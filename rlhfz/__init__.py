@@ -1,0 +1,53 @@
+"""rlhfz: a ZeRO-style sharded AdamW whose engine is a C/CUDA extension.
+
+``import rlhfz`` loads only the C core; the torch-facing parts (ZeroAdamW and
+friends) import torch on first use, so the core works with NumPy alone.
+"""
+from __future__ import annotations
+
+import sys
+
+from . import _C
+
+__version__ = _C.__version__
+
+_LAZY = {
+    "ZeroAdamW": ("rlhfz.optim", "ZeroAdamW"),
+    "NonFiniteGradError": ("rlhfz.optim", "NonFiniteGradError"),
+}
+
+
+def build_info() -> dict:
+    """What this build of rlhfz has: version, CUDA and NCCL availability,
+    SIMD level in use, CPU threads, and the torch version if torch is loaded."""
+    info = dict(_C.build_info())
+    torch = sys.modules.get("torch")
+    info["torch"] = getattr(torch, "__version__", None)
+    return info
+
+
+def set_num_threads(n: int) -> None:
+    """Threads the CPU kernels use (default: every CPU this process may run on)."""
+    _C.set_num_threads(n)
+
+
+def get_num_threads() -> int:
+    return _C.get_num_threads()
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        module_name, attr = _LAZY[name]
+        import importlib
+        value = getattr(importlib.import_module(module_name), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'rlhfz' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_LAZY))
+
+
+__all__ = ["ZeroAdamW", "NonFiniteGradError", "build_info", "set_num_threads",
+           "get_num_threads", "__version__"]

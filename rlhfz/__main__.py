@@ -1,0 +1,103 @@
+"""python -m rlhfz demo | bench | estimate | info"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _cmd_info(args) -> int:
+    import rlhfz
+    print(json.dumps(rlhfz.build_info(), indent=2))
+    return 0
+
+
+def _cmd_demo(args) -> int:
+    from rlhfz import demo
+    demo.run(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
+    return 0
+
+
+def _cmd_bench(args) -> int:
+    """A quick look at one CPU step; the recorded figures come from benchmarks/."""
+    import time
+
+    import torch
+
+    import rlhfz
+
+    n = args.params
+    results = {}
+    for name in ("rlhfz", "torch_foreach", "torch_fused"):
+        p = torch.nn.Parameter(torch.randn(n))
+        if name == "rlhfz":
+            opt = rlhfz.ZeroAdamW([p], lr=1e-3)
+        else:
+            opt = torch.optim.AdamW([p], lr=1e-3, foreach=name == "torch_foreach",
+                                    fused=name == "torch_fused" or None)
+        p.grad = torch.randn(n)
+        opt.step()
+        start = time.perf_counter()
+        for _ in range(args.repeat):
+            opt.step()
+        seconds = (time.perf_counter() - start) / args.repeat
+        results[name] = seconds
+        print(f"{name:<14} {seconds * 1e3:8.2f} ms/step  {28 * n / seconds / 1e9:7.2f} GB/s "
+              f"(28 bytes/param, {n:,} params, {rlhfz.get_num_threads()} threads)")
+    return 0
+
+
+def _cmd_estimate(args) -> int:
+    from rlhfz.estimate import estimate_bytes, format_estimate
+    result = estimate_bytes(args.params, world_size=args.world_size, stage=args.stage,
+                            param_dtype=args.dtype, offload=args.offload,
+                            offload_ratio=args.offload_ratio)
+    print(format_estimate(result, args))
+    return 0
+
+
+def _parse_count(text: str) -> int:
+    """'7e9', '7B', '350M' or a plain integer."""
+    text = text.strip().upper()
+    scale = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}.get(text[-1:], 1)
+    if scale != 1:
+        text = text[:-1]
+    return int(float(text) * scale)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rlhfz", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="train a small transformer with ZeroAdamW beside "
+                                       "torch.optim.AdamW")
+    demo.add_argument("--steps", type=int, default=300)
+    demo.add_argument("--batch-size", type=int, default=16)
+    demo.add_argument("--lr", type=float, default=3e-3)
+    demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(func=_cmd_demo)
+
+    bench = sub.add_parser("bench", help="time one CPU AdamW step against torch's")
+    bench.add_argument("--params", type=_parse_count, default=10_000_000)
+    bench.add_argument("--repeat", type=int, default=10)
+    bench.set_defaults(func=_cmd_bench)
+
+    estimate = sub.add_parser("estimate", help="expected per-rank bytes for a model")
+    estimate.add_argument("--params", type=_parse_count, required=True,
+                          help="parameter count, e.g. 7B or 350M")
+    estimate.add_argument("--world-size", type=int, default=1)
+    estimate.add_argument("--stage", type=int, default=2, choices=(0, 1, 2, 3))
+    estimate.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    estimate.add_argument("--offload", default=None, choices=("cpu",))
+    estimate.add_argument("--offload-ratio", type=float, default=1.0)
+    estimate.set_defaults(func=_cmd_estimate)
+
+    info = sub.add_parser("info", help="print build information as JSON")
+    info.set_defaults(func=_cmd_info)
+
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

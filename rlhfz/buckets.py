@@ -1,0 +1,215 @@
+"""Flat buckets: the memory behind a group's parameters of one dtype.
+
+A Bucket owns five rlhfz Buffers (params, grads, fp32 master, exp_avg,
+exp_avg_sq; fp32 params are their own master) and hands out torch views of
+them. ``param.data`` and ``param.grad`` are such views, so the optimizer
+steps a whole bucket with one kernel call and autograd accumulates straight
+into bucket memory.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from . import _C
+from .layout import BucketLayout, plan_bucket
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _segment_ranges(present: list[bool], steps: list[float]) -> list[tuple[int, int]]:
+    """Runs of consecutive params that have a grad and share a step count:
+    each run is one kernel call (one per bucket when every param has a grad)."""
+    runs = []
+    start = None
+    for i, has_grad in enumerate(present):
+        if start is not None and (not has_grad or steps[i] != steps[start]):
+            runs.append((start, i))
+            start = None
+        if has_grad and start is None:
+            start = i
+    if start is not None:
+        runs.append((start, len(present)))
+    return runs
+
+
+class Bucket:
+    """The params of one (param group, dtype), laid out back to back."""
+
+    def __init__(self, params: list[torch.Tensor], group_index: int, dtype: torch.dtype,
+                 world_size: int = 1):
+        self.params = params
+        self.group_index = group_index
+        self.dtype = dtype
+        self.dtype_name = DTYPE_NAMES[dtype]
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        self.layout: BucketLayout = plan_bucket([tuple(p.shape) for p in params], itemsize,
+                                                world_size)
+        n = self.layout.padded_numel
+        # Allocate everything before touching any param, so a failure here
+        # (out of memory) leaves the model as it was.
+        self.param_buffer = _C.Buffer(n * itemsize)
+        self.grad_buffer = _C.Buffer(n * itemsize)
+        self.master_buffer = None if dtype == torch.float32 else _C.Buffer(n * 4)
+        self.exp_avg_buffer = _C.Buffer(n * 4)
+        self.exp_avg_sq_buffer = _C.Buffer(n * 4)
+
+        # Kernel-facing views of whole buckets: passed to _C without DLPack.
+        self.param_kview = self.param_buffer.view(self.dtype_name)
+        self.grad_kview = self.grad_buffer.view(self.dtype_name)
+        master_buffer = self.master_buffer or self.param_buffer
+        self.master_kview = master_buffer.view("float32")
+        self.exp_avg_kview = self.exp_avg_buffer.view("float32")
+        self.exp_avg_sq_kview = self.exp_avg_sq_buffer.view("float32")
+
+        # Torch-facing flat tensors, and per-param views of them. Slices of one
+        # flat tensor share its version counter, which tells whether any grad
+        # in the bucket was modified in place since a check.
+        self.flat_param = torch.from_dlpack(self.param_kview)
+        self.flat_grad = torch.from_dlpack(self.grad_kview)
+        self.flat_master = torch.from_dlpack(self.master_kview)
+        self.flat_exp_avg = torch.from_dlpack(self.exp_avg_kview)
+        self.flat_exp_avg_sq = torch.from_dlpack(self.exp_avg_sq_kview)
+        self.param_views = self._views(self.flat_param)
+        self.grad_views = self._views(self.flat_grad)
+        self.master_views = self._views(self.flat_master) if self.master_buffer else None
+        self.exp_avg_views = self._views(self.flat_exp_avg)
+        self.exp_avg_sq_views = self._views(self.flat_exp_avg_sq)
+        # Per-param step counts, as torch.optim.AdamW keeps them; state['step']
+        # is a 0-dim view of one entry.
+        self.steps = torch.zeros(len(params), dtype=torch.float32)
+        self.step_views = [self.steps[i] for i in range(len(params))]
+        self.registered = [False] * len(params)
+        self._hook_handles = []
+
+    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.layout.slots]
+
+    # ---- attaching params -------------------------------------------------------
+
+    def attach(self) -> None:
+        """Copy each param's values in, and make param.data a view of the bucket."""
+        with torch.no_grad():
+            for p, view, grad_view in zip(self.params, self.param_views, self.grad_views):
+                view.copy_(p.detach())
+                grad = p.grad
+                p.data = view
+                if grad is not None:
+                    grad_view.copy_(grad)
+                    p.grad = grad_view
+        if self.master_buffer is not None:
+            _C.cast_(self.master_kview, self.param_kview)
+        self_ref = weakref.ref(self)
+        for i, p in enumerate(self.params):
+            if p.requires_grad:
+                self._hook_handles.append(p.register_post_accumulate_grad_hook(
+                    _make_grad_hook(self_ref, i)))
+
+    def detach_hooks(self) -> None:
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles.clear()
+
+    # ---- grads ------------------------------------------------------------------
+
+    def adopt_grad(self, index: int) -> None:
+        """Move a grad that lives outside the bucket (autograd allocates one
+        after grads were set to None, or a user assigned one) into it."""
+        p = self.params[index]
+        grad = p.grad
+        view = self.grad_views[index]
+        if grad is None or grad is view:
+            return
+        if grad.layout != torch.strided:
+            raise ValueError(f"sparse gradients are not supported (param {index} of group "
+                             f"{self.group_index}, shape {tuple(p.shape)})")
+        if grad.shape != view.shape:
+            raise ValueError(f"gradient of shape {tuple(grad.shape)} for a param of shape "
+                             f"{tuple(view.shape)}")
+        with torch.no_grad():
+            view.copy_(grad)
+        p.grad = view
+
+    def collect_grads(self) -> list[bool]:
+        """Which params have a grad; stray grads are moved into the bucket."""
+        present = []
+        for i, (p, view) in enumerate(zip(self.params, self.grad_views)):
+            grad = p.grad
+            if grad is None:
+                present.append(False)
+                continue
+            if grad is not view:
+                self.adopt_grad(i)
+            present.append(True)
+        return present
+
+    def zero_grads(self, set_to_none: bool) -> None:
+        if set_to_none:
+            # The bucket keeps its memory; the next backward's grads are moved
+            # into it by the post-accumulate hook.
+            for p in self.params:
+                p.grad = None
+            return
+        for i, p in enumerate(self.params):
+            if p.grad is not None and p.grad is not self.grad_views[i]:
+                self.adopt_grad(i)
+        self.grad_buffer.zero_()
+
+    # ---- kernel views of param ranges -----------------------------------------------
+
+    def segments(self, present: list[bool]) -> list[tuple[int, int]]:
+        return _segment_ranges(present, self.steps.tolist())
+
+    def element_range(self, start: int, stop: int) -> tuple[int, int]:
+        """Elements spanned by params [start, stop); the whole padded bucket
+        when that covers every param (padding is zero and stays zero)."""
+        slots = self.layout.slots
+        if start == 0 and stop == len(slots):
+            return 0, self.layout.padded_numel
+        last = slots[stop - 1]
+        return slots[start].offset, last.offset + last.numel
+
+    def kernel_views(self, start: int, stop: int):
+        """(master, exp_avg, exp_avg_sq, grad, param_out) for params [start, stop)."""
+        lo, hi = self.element_range(start, stop)
+        param_out = None
+        if lo == 0 and hi == self.layout.padded_numel:
+            if self.master_buffer is not None:
+                param_out = self.param_kview
+            return (self.master_kview, self.exp_avg_kview, self.exp_avg_sq_kview,
+                    self.grad_kview, param_out)
+        n = (hi - lo,)
+        master_buffer = self.master_buffer or self.param_buffer
+        if self.master_buffer is not None:
+            param_out = self.param_buffer.view(self.dtype_name, lo, n)
+        return (master_buffer.view("float32", lo, n),
+                self.exp_avg_buffer.view("float32", lo, n),
+                self.exp_avg_sq_buffer.view("float32", lo, n),
+                self.grad_buffer.view(self.dtype_name, lo, n),
+                param_out)
+
+    def grad_kview_range(self, start: int, stop: int):
+        lo, hi = self.element_range(start, stop)
+        if lo == 0 and hi == self.layout.padded_numel:
+            return self.grad_kview
+        return self.grad_buffer.view(self.dtype_name, lo, (hi - lo,))
+
+    # ---- accounting -------------------------------------------------------------------
+
+    def nbytes(self) -> dict[str, int]:
+        return {
+            "params": self.param_buffer.nbytes,
+            "grads": self.grad_buffer.nbytes,
+            "master": self.master_buffer.nbytes if self.master_buffer is not None else 0,
+            "exp_avg": self.exp_avg_buffer.nbytes,
+            "exp_avg_sq": self.exp_avg_sq_buffer.nbytes,
+        }
+
+
+def _make_grad_hook(bucket_ref, index):
+    def hook(param):
+        bucket = bucket_ref()
+        if bucket is not None and param.grad is not bucket.grad_views[index]:
+            bucket.adopt_grad(index)
+    return hook

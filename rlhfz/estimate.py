@@ -1,0 +1,53 @@
+"""Expected bytes per rank for a model under each ZeRO stage and offload choice.
+
+The same accounting as ZeroAdamW.memory_report(): params and grads in the
+param dtype, fp32 master weights only for 16-bit params, two fp32 moments.
+Padding (at most one alignment unit per bucket) is left out.
+"""
+from __future__ import annotations
+
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def estimate_bytes(params: int, world_size: int = 1, stage: int = 2,
+                   param_dtype: str = "bfloat16", offload: str | None = None,
+                   offload_ratio: float = 1.0) -> dict[str, dict[str, int]]:
+    """{kind: {tier: bytes}} on one rank; tiers 'device' and 'host'."""
+    if params < 0 or world_size < 1 or stage not in (0, 1, 2, 3):
+        raise ValueError("params >= 0, world_size >= 1 and stage in 0..3 are required")
+    if param_dtype not in _ITEMSIZE:
+        raise ValueError(f"param_dtype must be one of {sorted(_ITEMSIZE)}")
+    if not 0.0 <= offload_ratio <= 1.0:
+        raise ValueError("offload_ratio must be in [0, 1]")
+    itemsize = _ITEMSIZE[param_dtype]
+    per_rank = -(-params // world_size)
+    full = {
+        "params": params * itemsize if stage < 3 else per_rank * itemsize,
+        "grads": params * itemsize if stage < 2 else per_rank * itemsize,
+        "master": 0 if itemsize == 4 and offload is None else
+                  (params if stage == 0 else per_rank) * 4,
+        "exp_avg": (params if stage == 0 else per_rank) * 4,
+        "exp_avg_sq": (params if stage == 0 else per_rank) * 4,
+    }
+    report = {kind: {"device": nbytes, "host": 0} for kind, nbytes in full.items()}
+    if offload == "cpu":
+        for kind in ("master", "exp_avg", "exp_avg_sq"):
+            host = int(round(full[kind] * offload_ratio))
+            report[kind] = {"device": full[kind] - host, "host": host}
+    return report
+
+
+def format_estimate(report: dict[str, dict[str, int]], args) -> str:
+    gib = 1024 ** 3
+    lines = [f"per-rank bytes for {args.params:,} {args.dtype} params, world size "
+             f"{args.world_size}, stage {args.stage}, offload {args.offload or 'none'}"
+             + (f" (ratio {args.offload_ratio})" if args.offload else "")]
+    totals = {"device": 0, "host": 0}
+    for kind, tiers in report.items():
+        lines.append(f"  {kind:<11} device {tiers['device'] / gib:9.3f} GiB   "
+                     f"host {tiers['host'] / gib:9.3f} GiB")
+        for tier in totals:
+            totals[tier] += tiers[tier]
+    lines.append(f"  {'total':<11} device {totals['device'] / gib:9.3f} GiB   "
+                 f"host {totals['host'] / gib:9.3f} GiB")
+    return "\n".join(lines)

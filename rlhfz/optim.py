@@ -1,0 +1,428 @@
+"""ZeroAdamW: a drop-in torch.optim.AdamW whose memory is owned by rlhfz.
+
+Every parameter is a view into a flat bucket (one per param group and dtype),
+16-bit params get fp32 master weights, and a step is one fused kernel call per
+bucket. The public surface follows torch.optim.AdamW: the same keywords and
+defaults, param groups, LR schedulers, closures, and a state_dict that loads
+into torch.optim.AdamW and back.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Iterable
+
+import torch
+from torch.optim import Optimizer
+
+from . import _C
+from .buckets import DTYPE_NAMES, Bucket
+
+_TIERS = ("host",)
+_KINDS = ("params", "grads", "master", "exp_avg", "exp_avg_sq")
+
+
+class NonFiniteGradError(FloatingPointError):
+    """A gradient held NaN or Inf under nonfinite='raise'; no state was changed."""
+
+
+def _check_hparams(lr, betas, eps, weight_decay) -> None:
+    lr = float(lr)
+    if not (math.isfinite(lr) and lr >= 0.0):
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not (math.isfinite(float(eps)) and eps >= 0.0):
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    try:
+        beta1, beta2 = (float(b) for b in betas)
+    except (TypeError, ValueError):
+        raise ValueError(f"betas must be a pair of floats, not {betas!r}") from None
+    if not 0.0 <= beta1 < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 0: {beta1}")
+    if not 0.0 <= beta2 < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 1: {beta2}")
+    if not (math.isfinite(float(weight_decay)) and weight_decay >= 0.0):
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+
+def _check_unsupported(options: dict[str, Any]) -> None:
+    """Refuse torch.optim.AdamW options rlhfz does not implement."""
+    if options.get("amsgrad"):
+        raise ValueError("amsgrad=True is not supported by rlhfz.ZeroAdamW")
+    if options.get("capturable"):
+        raise ValueError("capturable=True (CUDA graph capture) is not supported by this build "
+                         "of rlhfz.ZeroAdamW")
+    if options.get("differentiable"):
+        raise ValueError("differentiable=True is not supported by rlhfz.ZeroAdamW")
+    if options.get("foreach") and options.get("fused"):
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+
+
+class ZeroAdamW(Optimizer):
+    """AdamW over flat, rlhfz-owned buckets.
+
+    ``foreach`` and ``fused`` are accepted for compatibility: every rlhfz step
+    is one fused kernel per bucket, whatever they say.
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 amsgrad=False, *, maximize=False, foreach=None, capturable=False,
+                 differentiable=False, fused=None, stage=2, process_group=None, offload=None,
+                 offload_ratio=1.0, pin_memory="auto", nonfinite="raise", wrap=None,
+                 param_persistence_threshold=100_000):
+        _check_hparams(lr, betas, eps, weight_decay)
+        _check_unsupported(dict(amsgrad=amsgrad, capturable=capturable,
+                                differentiable=differentiable, foreach=foreach, fused=fused))
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"stage must be 0, 1, 2 or 3, not {stage!r}")
+        if offload not in (None, "cpu"):
+            raise ValueError(f"offload must be None or 'cpu', not {offload!r}")
+        if not (isinstance(offload_ratio, (int, float)) and 0.0 <= offload_ratio <= 1.0):
+            raise ValueError(f"offload_ratio must be a number in [0, 1], not {offload_ratio!r}")
+        if pin_memory not in (True, False, "auto"):
+            raise ValueError(f"pin_memory must be True, False or 'auto', not {pin_memory!r}")
+        if nonfinite not in ("raise", "skip"):
+            raise ValueError(f"nonfinite must be 'raise' or 'skip', not {nonfinite!r}")
+        if not (isinstance(param_persistence_threshold, int) and param_persistence_threshold >= 0):
+            raise ValueError("param_persistence_threshold must be an int >= 0")
+
+        module = params if isinstance(params, torch.nn.Module) else None
+        if module is not None:
+            if stage >= 1 and isinstance(module, torch.nn.parallel.DistributedDataParallel):
+                raise ValueError(
+                    "the model is wrapped in DistributedDataParallel, which reduces grads itself; "
+                    f"with stage={stage} rlhfz reduces them too, so they would be reduced twice. "
+                    "Pass the unwrapped module.")
+            params = [p for p in module.parameters() if p.requires_grad]
+        elif stage == 3:
+            raise ValueError("stage=3 shards parameters per module unit, so it needs the "
+                             "nn.Module itself: pass ZeroAdamW(model, stage=3)")
+        self.world_size = self._world_size(process_group)
+        if self.world_size > 1:
+            raise NotImplementedError(
+                f"ZeroAdamW runs in a single process in this version; the process group has "
+                f"{self.world_size} ranks")
+
+        self.stage = stage
+        self.module = module
+        self.offload_target = offload
+        self.offload_ratio = float(offload_ratio)
+        self.pin_memory = pin_memory
+        self.nonfinite = nonfinite
+        self.wrap = wrap
+        self.param_persistence_threshold = param_persistence_threshold
+        self.skipped_steps = 0
+        self._buckets: list[Bucket] = []
+        self._finite_versions: tuple[int, ...] | None = None
+
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
+                        maximize=maximize, foreach=foreach, capturable=False,
+                        differentiable=False, fused=fused, decoupled_weight_decay=True)
+        super().__init__(params, defaults)
+
+    @staticmethod
+    def _world_size(process_group) -> int:
+        if process_group is not None:
+            return torch.distributed.get_world_size(process_group)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.get_world_size()
+        return 1
+
+    # ---- param groups ----------------------------------------------------------
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, but got {type(param_group)}")
+        group = dict(param_group)
+        params = group.get("params")
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        elif isinstance(params, set):
+            raise TypeError("optimizer parameters need to be organized in ordered collections, "
+                            "but the ordering of tensors in sets will change between runs. "
+                            "Please use a list instead.")
+        elif params is None:
+            raise ValueError("param_group has no 'params'")
+        params = list(params)
+        tensors = [p[1] if isinstance(p, tuple) else p for p in params]
+        self._check_params(tensors)
+        options = {**self.defaults, **{k: v for k, v in group.items() if k != "params"}}
+        _check_hparams(options["lr"], options["betas"], options["eps"], options["weight_decay"])
+        _check_unsupported(options)
+
+        # Build the buckets before the group is registered: if allocation
+        # fails, neither the optimizer nor the model has changed.
+        group_index = len(self.param_groups)
+        buckets = []
+        for dtype in DTYPE_NAMES:
+            members = [p for p in tensors if p.dtype == dtype]
+            if members:
+                buckets.append(Bucket(members, group_index, dtype, self.world_size))
+        group["params"] = params
+        super().add_param_group(group)
+        param_group.clear()
+        param_group.update(self.param_groups[-1])
+        self.param_groups[-1] = param_group
+        for bucket in buckets:
+            bucket.attach()
+        self._buckets.extend(buckets)
+
+    def _check_params(self, tensors: list) -> None:
+        seen = set()
+        for p in tensors:
+            if not isinstance(p, torch.Tensor):
+                raise TypeError("optimizer can only optimize Tensors, but one of the params is "
+                                + torch.typename(p))
+            if p.layout != torch.strided:
+                raise ValueError(f"sparse parameters ({p.layout}) are not supported")
+            if p.is_complex() or not p.is_floating_point():
+                raise TypeError(f"parameters must be float32, bfloat16 or float16, "
+                                f"not {p.dtype}")
+            if p.dtype not in DTYPE_NAMES:
+                raise TypeError(f"parameters must be float32, bfloat16 or float16, "
+                                f"not {p.dtype}")
+            if p.device.type != "cpu":
+                raise ValueError(f"parameters must be on the CPU in this build, not {p.device}")
+            if id(p) in seen:
+                raise ValueError("a parameter appears more than once in the param group "
+                                 f"(shape {tuple(p.shape)})")
+            seen.add(id(p))
+        for group in self.param_groups:
+            for q in group["params"]:
+                if id(q) in seen:
+                    raise ValueError("some parameters appear in more than one parameter group")
+
+    # ---- gradients ---------------------------------------------------------------
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for bucket in self._buckets:
+            bucket.zero_grads(set_to_none)
+        self._finite_versions = None
+
+    def _grad_versions(self) -> tuple[int, ...]:
+        return tuple(bucket.flat_grad._version for bucket in self._buckets)
+
+    def _nonfinite_params(self, plan) -> list[str]:
+        """Names the params whose grads hold NaN or Inf (the slow path, on failure)."""
+        bad = []
+        for bucket, present, _ in plan:
+            for i, has_grad in enumerate(present):
+                if has_grad and not math.isfinite(_C.sumsq(bucket.grad_views[i])):
+                    p = bucket.params[i]
+                    group = self.param_groups[bucket.group_index]["params"]
+                    position = next(j for j, q in enumerate(group) if q is p)
+                    bad.append(f"param_groups[{bucket.group_index}]['params'][{position}] "
+                               f"shape {tuple(p.shape)}")
+        return bad
+
+    def _grads_finite(self, plan) -> bool:
+        if self._finite_versions is not None and self._finite_versions == self._grad_versions():
+            return True
+        for bucket, _, segments in plan:
+            for start, stop in segments:
+                if not math.isfinite(_C.sumsq(bucket.grad_kview_range(start, stop))):
+                    return False
+        return True
+
+    def _plan(self):
+        """(bucket, which params have grads, kernel segments) for every bucket."""
+        plan = []
+        for bucket in self._buckets:
+            present = bucket.collect_grads()
+            plan.append((bucket, present, bucket.segments(present)))
+        return plan
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Scale all grads so their global 2-norm is at most max_norm; returns
+        the norm before clipping, as torch.nn.utils.clip_grad_norm_ does."""
+        if float(norm_type) != 2.0:
+            raise ValueError(f"only the 2-norm is supported, not norm_type={norm_type}")
+        max_norm = float(max_norm)
+        plan = self._plan()
+        total_sq = 0.0
+        for bucket, _, segments in plan:
+            for start, stop in segments:
+                total_sq += _C.sumsq(bucket.grad_kview_range(start, stop))
+        total = math.sqrt(total_sq)
+        if error_if_nonfinite and not math.isfinite(total):
+            raise RuntimeError(f"The total norm of order 2.0 for gradients from `parameters` is "
+                               f"non-finite, so it cannot be clipped. To disable this error and "
+                               f"scale the gradients by the non-finite norm anyway, set "
+                               f"`error_if_nonfinite=False`")
+        coef = max_norm / (total + 1e-6)
+        if coef < 1.0:
+            for bucket, _, segments in plan:
+                for start, stop in segments:
+                    _C.scale_(bucket.grad_kview_range(start, stop), coef)
+        # The C kernels leave torch's version counters alone, so these record
+        # the grads exactly as checked: an unchanged step skips its own check.
+        self._finite_versions = self._grad_versions() if math.isfinite(total) else None
+        return torch.tensor(total, dtype=torch.float32)
+
+    # ---- the step ----------------------------------------------------------------
+
+    @staticmethod
+    def _group_hparams(group) -> dict[str, Any]:
+        _check_unsupported(group)
+        beta1, beta2 = (float(b) for b in group["betas"])
+        _check_hparams(group["lr"], (beta1, beta2), group["eps"], group["weight_decay"])
+        return dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=float(group["eps"]),
+                    weight_decay=float(group["weight_decay"]), maximize=bool(group["maximize"]))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        # Everything that can fail is checked before the first kernel runs,
+        # so a refused step leaves params and state exactly as they were.
+        hparams = [self._group_hparams(group) for group in self.param_groups]
+        plan = self._plan()
+        if not self._grads_finite(plan):
+            self._finite_versions = None
+            if self.nonfinite == "skip":
+                self.skipped_steps += 1
+                return loss
+            bad = self._nonfinite_params(plan)
+            raise NonFiniteGradError(
+                f"non-finite gradient (NaN or Inf) in {len(bad)} parameter(s): "
+                f"{'; '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}. The step was not taken "
+                f"and no state changed; pass nonfinite='skip' to skip such steps instead.")
+        for bucket, present, segments in plan:
+            hp = hparams[bucket.group_index]
+            steps = bucket.steps.tolist()
+            for start, stop in segments:
+                step = int(steps[start]) + 1
+                _C.adamw_step(*bucket.kernel_views(start, stop), step=step, **hp)
+                if start == 0 and stop == len(present):
+                    bucket.steps.add_(1.0)
+                else:
+                    bucket.steps[start:stop].add_(1.0)
+                for i in range(start, stop):
+                    if not bucket.registered[i]:
+                        self._register_state(bucket, i)
+        self._finite_versions = None
+        return loss
+
+    def _register_state(self, bucket: Bucket, index: int) -> None:
+        state = {"step": bucket.step_views[index],
+                 "exp_avg": bucket.exp_avg_views[index],
+                 "exp_avg_sq": bucket.exp_avg_sq_views[index]}
+        if bucket.master_views is not None:
+            state["master_param"] = bucket.master_views[index]
+        self.state[bucket.params[index]] = state
+        bucket.registered[index] = True
+
+    def _unregister_state(self, bucket: Bucket, index: int) -> None:
+        self.state.pop(bucket.params[index], None)
+        bucket.registered[index] = False
+
+    # ---- state dicts -------------------------------------------------------------------
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a torch.optim.AdamW-format state dict (from torch or from rlhfz).
+
+        Everything is checked before anything is written: on any mismatch this
+        raises and the optimizer is unchanged."""
+        if not isinstance(state_dict, dict) or "state" not in state_dict \
+                or "param_groups" not in state_dict:
+            raise ValueError("a state dict needs 'state' and 'param_groups' entries")
+        saved_groups = state_dict["param_groups"]
+        saved_state = state_dict["state"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, "
+                             f"but the optimizer has {len(self.param_groups)}")
+        index_to_param = {}
+        for g, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(f"loaded state dict contains a parameter group that doesn't "
+                                 f"match the size of optimizer's group: group {g} has "
+                                 f"{len(saved['params'])} params, the optimizer's has "
+                                 f"{len(group['params'])}")
+            options = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
+            merged = {**group, **options}
+            _check_unsupported(merged)
+            _check_hparams(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
+            index_to_param.update(zip(saved["params"], group["params"]))
+        for key, entry in saved_state.items():
+            if key not in index_to_param:
+                raise ValueError(f"state for parameter {key!r} matches no parameter of the "
+                                 f"optimizer")
+            self._check_state_entry(key, entry, index_to_param[key])
+
+        # All checked: now write.
+        for saved, group in zip(saved_groups, self.param_groups):
+            for k, v in saved.items():
+                if k not in ("params", "param_names"):
+                    group[k] = v
+        loaded = {id(index_to_param[k]): entry for k, entry in saved_state.items()}
+        for bucket in self._buckets:
+            for i, p in enumerate(bucket.params):
+                entry = loaded.get(id(p))
+                if entry is None:
+                    bucket.exp_avg_views[i].zero_()
+                    bucket.exp_avg_sq_views[i].zero_()
+                    bucket.steps[i] = 0.0
+                    if bucket.master_views is not None:
+                        bucket.master_views[i].copy_(bucket.param_views[i])
+                    self._unregister_state(bucket, i)
+                    continue
+                bucket.exp_avg_views[i].copy_(entry["exp_avg"])
+                bucket.exp_avg_sq_views[i].copy_(entry["exp_avg_sq"])
+                bucket.steps[i] = float(entry["step"])
+                if bucket.master_views is not None:
+                    master = entry.get("master_param")
+                    bucket.master_views[i].copy_(master if master is not None
+                                                 else bucket.param_views[i])
+                self._register_state(bucket, i)
+        self._finite_versions = None
+
+    @staticmethod
+    def _check_state_entry(key, entry, param: torch.Tensor) -> None:
+        if not isinstance(entry, dict):
+            raise ValueError(f"state for parameter {key!r} is not a dict")
+        for name in ("step", "exp_avg", "exp_avg_sq"):
+            if name not in entry:
+                raise ValueError(f"state for parameter {key!r} has no {name!r}")
+        step = entry["step"]
+        if isinstance(step, torch.Tensor):
+            if step.numel() != 1:
+                raise ValueError(f"state[{key!r}]['step'] must be a scalar")
+            step = step.item()
+        if not (isinstance(step, (int, float)) and math.isfinite(step) and step >= 0
+                and float(step).is_integer()):
+            raise ValueError(f"state[{key!r}]['step'] must be a whole number >= 0, not {step!r}")
+        names = ["exp_avg", "exp_avg_sq"] + (["master_param"] if "master_param" in entry else [])
+        for name in names:
+            value = entry[name]
+            if not isinstance(value, torch.Tensor):
+                raise ValueError(f"state[{key!r}][{name!r}] must be a tensor")
+            if tuple(value.shape) != tuple(param.shape):
+                raise ValueError(f"state[{key!r}][{name!r}] has shape {tuple(value.shape)} but "
+                                 f"the parameter has shape {tuple(param.shape)}: the state dict "
+                                 f"is from another model")
+            if not value.is_floating_point():
+                raise ValueError(f"state[{key!r}][{name!r}] must be floating point, "
+                                 f"not {value.dtype}")
+
+    # ---- reports ---------------------------------------------------------------------
+
+    def memory_report(self) -> dict[str, dict[str, int]]:
+        """Bytes this rank's optimizer owns, by kind and tier. fp32 params are
+        their own master weights, so 'master' counts only separate copies."""
+        report = {kind: {tier: 0 for tier in _TIERS} for kind in _KINDS}
+        for bucket in self._buckets:
+            for kind, nbytes in bucket.nbytes().items():
+                report[kind]["host"] += nbytes
+        return report
+
+    def placement(self) -> dict[str, str]:
+        return {kind: "host" for kind in _KINDS}
+
+    def __repr__(self) -> str:
+        params = sum(len(b.params) for b in self._buckets)
+        return (f"ZeroAdamW(stage={self.stage}, world_size={self.world_size}, "
+                f"groups={len(self.param_groups)}, buckets={len(self._buckets)}, "
+                f"params={params})")

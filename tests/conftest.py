@@ -1,0 +1,18 @@
+"""Shared fixtures and markers for rlhfz's tests."""
+import pytest
+
+import rlhfz
+
+
+def _cuda_available() -> bool:
+    return bool(rlhfz.build_info()["cuda"])
+
+
+needs_cuda = pytest.mark.skipif(not _cuda_available(),
+                                reason="needs a CUDA device (none visible to rlhfz here)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("gpu") and not _cuda_available():
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device (none visible here)"))

@@ -1,0 +1,262 @@
+"""Bad input gets a clear exception, and leaves the optimizer as it was."""
+import copy
+
+import pytest
+import torch
+
+import rlhfz
+
+
+def _snapshot(opt, params):
+    """Everything a failed call must not change: params, grads, state."""
+    return (copy.deepcopy(opt.state_dict()),
+            [p.detach().clone() for p in params],
+            [None if p.grad is None else p.grad.clone() for p in params])
+
+
+def _assert_unchanged(opt, params, snapshot):
+    state, values, grads = snapshot
+    after_state, after_values, after_grads = _snapshot(opt, params)
+    for a, b in zip(values, after_values):
+        assert torch.equal(a, b)
+    for a, b in zip(grads, after_grads):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    assert state["param_groups"] == after_state["param_groups"]
+    assert state["state"].keys() == after_state["state"].keys()
+    for key, entry in state["state"].items():
+        for name, value in entry.items():
+            assert torch.equal(value, after_state["state"][key][name]), (key, name)
+
+
+def _trained(steps=3, dtype=torch.float32):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(7, 3).to(dtype)),
+              torch.nn.Parameter(torch.randn(3).to(dtype))]
+    opt = rlhfz.ZeroAdamW(params, lr=1e-2)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape).to(dtype)
+        opt.step()
+    return params, opt
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.zeros(3, dtype=torch.int64),
+    lambda: torch.zeros(3, dtype=torch.int32),
+    lambda: torch.zeros(3, dtype=torch.uint8),
+    lambda: torch.zeros(3, dtype=torch.bool),
+    lambda: torch.zeros(3, dtype=torch.complex64),
+    lambda: torch.zeros(3, dtype=torch.float64),
+], ids=["int64", "int32", "uint8", "bool", "complex64", "float64"])
+def test_unsupported_param_dtypes_raise(make):
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
+        rlhfz.ZeroAdamW([make()])
+
+
+def test_sparse_param_raises():
+    sparse = torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (4,))
+    with pytest.raises(ValueError, match="sparse"):
+        rlhfz.ZeroAdamW([sparse])
+
+
+def test_non_tensor_param_raises():
+    with pytest.raises(TypeError, match="Tensors"):
+        rlhfz.ZeroAdamW([torch.nn.Parameter(torch.ones(2)), 3.0])
+
+
+def test_duplicate_param_raises_within_and_across_groups():
+    p = torch.nn.Parameter(torch.ones(3))
+    q = torch.nn.Parameter(torch.ones(3))
+    with pytest.raises(ValueError, match="more than once"):
+        rlhfz.ZeroAdamW([p, q, p])
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        rlhfz.ZeroAdamW([{"params": [p]}, {"params": [q, p]}])
+
+
+def test_failed_add_param_group_leaves_optimizer_and_model_alone():
+    params, opt = _trained()
+    snap = _snapshot(opt, params)
+    extra = torch.nn.Parameter(torch.ones(4))
+    before_ptr = extra.data_ptr()
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        opt.add_param_group({"params": [extra, params[0]]})
+    with pytest.raises(ValueError, match="learning rate"):
+        opt.add_param_group({"params": [extra], "lr": -1.0})
+    assert len(opt.param_groups) == 1 and len(opt._buckets) == 1
+    assert extra.data_ptr() == before_ptr
+    _assert_unchanged(opt, params, snap)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"amsgrad": True}, "amsgrad"),
+    ({"capturable": True}, "capturable"),
+    ({"differentiable": True}, "differentiable"),
+    ({"foreach": True, "fused": True}, "fused"),
+    ({"lr": -1e-3}, "learning rate"),
+    ({"betas": (1.0, 0.999)}, "beta"),
+    ({"betas": (0.9, -0.1)}, "beta"),
+    ({"eps": -1.0}, "epsilon"),
+    ({"weight_decay": -0.1}, "weight_decay"),
+    ({"stage": 4}, "stage"),
+    ({"offload": "gpu"}, "offload"),
+    ({"offload_ratio": 1.5}, "offload_ratio"),
+    ({"pin_memory": "sometimes"}, "pin_memory"),
+    ({"nonfinite": "ignore"}, "nonfinite"),
+])
+def test_unsupported_or_invalid_options_raise(kwargs, match):
+    with pytest.raises((ValueError, RuntimeError), match=match):
+        rlhfz.ZeroAdamW([torch.nn.Parameter(torch.ones(2))], **kwargs)
+
+
+def test_unknown_keyword_raises():
+    with pytest.raises(TypeError):
+        rlhfz.ZeroAdamW([torch.nn.Parameter(torch.ones(2))], nesterov=True)
+
+
+def test_stage3_needs_the_module():
+    with pytest.raises(ValueError, match="nn.Module"):
+        rlhfz.ZeroAdamW([torch.nn.Parameter(torch.ones(2))], stage=3)
+    rlhfz.ZeroAdamW(torch.nn.Linear(2, 2), stage=3)     # single process: accepted
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nonfinite_grad_raise_policy_changes_nothing(dtype, bad):
+    params, opt = _trained(dtype=dtype)
+    for p in params:
+        p.grad = torch.randn(p.shape).to(dtype)
+    params[1].grad[2] = bad
+    snap = _snapshot(opt, params)
+    with pytest.raises(rlhfz.NonFiniteGradError, match=r"\['params'\]\[1\]"):
+        opt.step()
+    _assert_unchanged(opt, params, snap)
+
+
+def test_nonfinite_grad_skip_policy_skips_the_step():
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(6))]
+    opt = rlhfz.ZeroAdamW(params, lr=1e-2, nonfinite="skip")
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    opt.step()
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    params[0].grad[0] = float("nan")
+    snap = _snapshot(opt, params)
+    opt.step()
+    _assert_unchanged(opt, params, snap)
+    assert opt.skipped_steps == 1
+    # the next good step goes ahead, counting from where the state was
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    opt.step()
+    assert opt.state[params[0]]["step"].item() == 2
+
+
+def test_clip_grad_norm_error_if_nonfinite():
+    params, opt = _trained()
+    params[0].grad = torch.full((7, 3), float("inf"))
+    params[1].grad = torch.zeros(3)
+    snap = _snapshot(opt, params)
+    with pytest.raises(RuntimeError, match="non-finite"):
+        opt.clip_grad_norm_(1.0, error_if_nonfinite=True)
+    _assert_unchanged(opt, params, snap)
+    with pytest.raises(ValueError, match="2-norm"):
+        opt.clip_grad_norm_(1.0, norm_type=1.0)
+
+
+def _mutations():
+    def wrong_group_count(sd):
+        sd["param_groups"].append(dict(sd["param_groups"][0], params=[]))
+
+    def wrong_param_count(sd):
+        sd["param_groups"][0]["params"] = sd["param_groups"][0]["params"][:1]
+
+    def wrong_shape(sd):
+        sd["state"][0]["exp_avg"] = torch.zeros(3, 7)
+
+    def missing_moment(sd):
+        del sd["state"][1]["exp_avg_sq"]
+
+    def unknown_param_index(sd):
+        sd["state"][17] = sd["state"].pop(1)
+
+    def bad_step(sd):
+        sd["state"][0]["step"] = torch.tensor(-1.0)
+
+    def fractional_step(sd):
+        sd["state"][0]["step"] = torch.tensor(2.5)
+
+    def integer_moment(sd):
+        sd["state"][1]["exp_avg"] = torch.zeros(3, dtype=torch.int64)
+
+    def amsgrad_group(sd):
+        sd["param_groups"][0]["amsgrad"] = True
+
+    def bad_lr(sd):
+        sd["param_groups"][0]["lr"] = -5.0
+
+    def not_a_state_dict(sd):
+        sd.pop("state")
+
+    def state_not_dict(sd):
+        sd["state"][0] = [1, 2, 3]
+
+    return [wrong_group_count, wrong_param_count, wrong_shape, missing_moment,
+            unknown_param_index, bad_step, fractional_step, integer_moment, amsgrad_group,
+            bad_lr, not_a_state_dict, state_not_dict]
+
+
+@pytest.mark.parametrize("mutate", _mutations(), ids=lambda f: f.__name__)
+def test_mismatched_state_dict_raises_and_changes_nothing(mutate):
+    params, opt = _trained()
+    snap = _snapshot(opt, params)
+    sd = copy.deepcopy(opt.state_dict())
+    # a valid dict from a different point in training, then made invalid
+    sd["param_groups"][0]["lr"] = 0.5
+    for entry in sd["state"].values():
+        entry["exp_avg"] = entry["exp_avg"] + 1
+    mutate(sd)
+    with pytest.raises(ValueError):
+        opt.load_state_dict(sd)
+    _assert_unchanged(opt, params, snap)
+
+
+def test_state_dict_from_another_model_raises():
+    _, opt = _trained()
+    other = torch.optim.AdamW([torch.nn.Parameter(torch.ones(4, 4)),
+                               torch.nn.Parameter(torch.ones(3))])
+    for p in other.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    other.step()
+    with pytest.raises(ValueError, match="another model"):
+        opt.load_state_dict(other.state_dict())
+
+
+def test_sparse_grad_raises_and_changes_nothing():
+    params, opt = _trained()
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    snap = _snapshot(opt, params)
+    params[1].grad = torch.sparse_coo_tensor([[0]], [1.0], (3,))
+    with pytest.raises(ValueError, match="sparse"):
+        opt.step()
+    params[1].grad = snap[2][1].clone()
+    _assert_unchanged(opt, params, snap)
+
+
+def test_invalid_lr_set_on_group_is_refused_before_any_update():
+    params, opt = _trained()
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(4))]})
+    for group in opt.param_groups:
+        for p in group["params"]:
+            p.grad = torch.ones_like(p)
+    all_params = params + opt.param_groups[1]["params"]
+    snap = _snapshot(opt, all_params)
+    opt.param_groups[1]["lr"] = float("nan")
+    with pytest.raises(ValueError, match="learning rate"):
+        opt.step()
+    opt.param_groups[1]["lr"] = snap[0]["param_groups"][1]["lr"]
+    _assert_unchanged(opt, all_params, snap)

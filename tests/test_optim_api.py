@@ -1,0 +1,286 @@
+"""ZeroAdamW's surface: buckets and views, grads, groups, state dicts, reports."""
+import copy
+import io
+
+import pytest
+import torch
+
+import rlhfz
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(13, 31), torch.nn.ReLU(), torch.nn.Linear(31, 3))
+
+
+def _step(model, opt, gen):
+    opt.zero_grad()
+    x = torch.randn(8, 13, generator=gen)
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def test_is_a_torch_optimizer_with_adamw_defaults():
+    opt = rlhfz.ZeroAdamW(_model().parameters())
+    ref = torch.optim.AdamW(_model().parameters())
+    assert isinstance(opt, torch.optim.Optimizer)
+    ours = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+    theirs = {k: v for k, v in ref.param_groups[0].items() if k != "params"}
+    assert ours == theirs
+
+
+def test_params_and_grads_are_views_into_one_bucket():
+    model = _model()
+    opt = rlhfz.ZeroAdamW(model.parameters(), lr=1e-3)
+    bucket, = opt._buckets
+    base = bucket.param_buffer.address
+    end = base + bucket.param_buffer.nbytes
+    for p in model.parameters():
+        assert base <= p.data_ptr() < end
+    gen = torch.Generator().manual_seed(0)
+    _step(model, opt, gen)
+    pointers = [p.grad.data_ptr() for p in model.parameters()]
+    # Two backwards without zeroing: autograd accumulates in place, in the bucket.
+    for _ in range(2):
+        model(torch.randn(4, 13, generator=gen)).sum().backward()
+        assert [p.grad.data_ptr() for p in model.parameters()] == pointers
+    gbase = bucket.grad_buffer.address
+    assert all(gbase <= ptr < gbase + bucket.grad_buffer.nbytes for ptr in pointers)
+
+
+def test_set_to_none_then_backward_lands_grads_in_the_bucket():
+    model = _model()
+    opt = rlhfz.ZeroAdamW(model.parameters(), lr=1e-3)
+    bucket, = opt._buckets
+    opt.zero_grad(set_to_none=True)
+    assert all(p.grad is None for p in model.parameters())
+    model(torch.randn(4, 13)).sum().backward()
+    for p, view in zip(model.parameters(), bucket.grad_views):
+        assert p.grad is view
+    # Module.zero_grad (what HF Trainer calls) sets grads to None as well.
+    model.zero_grad()
+    model(torch.randn(4, 13)).sum().backward()
+    for p, view in zip(model.parameters(), bucket.grad_views):
+        assert p.grad is view
+
+
+def test_zero_grad_keep_tensors_zeroes_in_place():
+    model = _model()
+    opt = rlhfz.ZeroAdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 13)).sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    opt.zero_grad(set_to_none=False)
+    for p, g in zip(model.parameters(), grads):
+        assert p.grad is g
+        assert not p.grad.any()
+
+
+def test_assigned_grad_is_adopted_at_step():
+    p = torch.nn.Parameter(torch.ones(5))
+    q = torch.nn.Parameter(torch.ones(5))
+    opt = rlhfz.ZeroAdamW([p], lr=0.1)
+    ref = torch.optim.AdamW([q], lr=0.1)
+    p.grad = torch.arange(5.0)
+    q.grad = torch.arange(5.0)
+    opt.step()
+    ref.step()
+    assert p.grad is opt._buckets[0].grad_views[0]
+    torch.testing.assert_close(p.detach(), q.detach())
+
+
+def test_add_param_group_later():
+    model = _model()
+    first = list(model[0].parameters())
+    later = list(model[2].parameters())
+    opt = rlhfz.ZeroAdamW(first, lr=1e-3)
+    opt.add_param_group({"params": later, "lr": 1e-2, "weight_decay": 0.0})
+    assert len(opt.param_groups) == 2 and len(opt._buckets) == 2
+    assert opt.param_groups[1]["lr"] == 1e-2
+    assert opt.param_groups[1]["betas"] == (0.9, 0.999)
+    ref_model = _model()
+    ref = torch.optim.AdamW(list(ref_model[0].parameters()), lr=1e-3)
+    ref.add_param_group({"params": list(ref_model[2].parameters()), "lr": 1e-2,
+                         "weight_decay": 0.0})
+    gen, ref_gen = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+    for _ in range(20):
+        _step(model, opt, gen)
+        _step(ref_model, ref, ref_gen)
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_named_parameters_are_accepted():
+    model = _model()
+    opt = rlhfz.ZeroAdamW(model.named_parameters(), lr=1e-3)
+    assert opt.param_groups[0]["param_names"] == [n for n, _ in model.named_parameters()]
+    _step(model, opt, torch.Generator().manual_seed(0))
+
+
+def test_module_argument_takes_trainable_params():
+    model = _model()
+    model[0].bias.requires_grad_(False)
+    opt = rlhfz.ZeroAdamW(model, lr=1e-3)
+    assert all(p is not model[0].bias for p in opt.param_groups[0]["params"])
+    assert len(opt.param_groups[0]["params"]) == 3
+
+
+@pytest.mark.parametrize("direction", ["torch_to_rlhfz", "rlhfz_to_torch"])
+def test_state_dict_interchanges_with_torch_and_training_continues(direction):
+    gen = torch.Generator().manual_seed(2)
+    src_model = _model()
+    src_cls = torch.optim.AdamW if direction == "torch_to_rlhfz" else rlhfz.ZeroAdamW
+    dst_cls = rlhfz.ZeroAdamW if direction == "torch_to_rlhfz" else torch.optim.AdamW
+    src = src_cls(src_model.parameters(), lr=2e-3, weight_decay=0.03)
+    for _ in range(15):
+        _step(src_model, src, gen)
+    # Round trip through bytes, as a checkpoint would.
+    blob = io.BytesIO()
+    torch.save({"model": src_model.state_dict(), "optim": src.state_dict()}, blob)
+    blob.seek(0)
+    saved = torch.load(blob, weights_only=True)
+    dst_model = _model(seed=99)
+    dst_model.load_state_dict(saved["model"])
+    dst = dst_cls(dst_model.parameters(), lr=1.0)
+    dst.load_state_dict(saved["optim"])
+    assert dst.param_groups[0]["lr"] == 2e-3
+    gen_a, gen_b = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    for _ in range(15):
+        _step(src_model, src, gen_a)
+        _step(dst_model, dst, gen_b)
+    for a, b in zip(src_model.parameters(), dst_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    for a, b in zip(src_model.parameters(), dst_model.parameters()):
+        assert src.state[a]["step"].item() == dst.state[b]["step"].item() == 30
+
+
+def test_state_dict_has_torch_format():
+    model = _model()
+    opt = rlhfz.ZeroAdamW(model.parameters(), lr=1e-3)
+    ref = torch.optim.AdamW(_model().parameters(), lr=1e-3)
+    assert opt.state_dict()["state"] == {} == ref.state_dict()["state"]
+    _step(model, opt, torch.Generator().manual_seed(0))
+    sd = opt.state_dict()
+    assert sorted(sd["state"]) == [0, 1, 2, 3]
+    for i, p in enumerate(model.parameters()):
+        entry = sd["state"][i]
+        assert set(entry) == {"step", "exp_avg", "exp_avg_sq"}
+        assert entry["step"].shape == () and entry["step"].dtype == torch.float32
+        assert entry["exp_avg"].shape == p.shape
+
+
+def test_bf16_state_dict_round_trips_master_weights():
+    p = torch.nn.Parameter(torch.randn(40).bfloat16())
+    opt = rlhfz.ZeroAdamW([p], lr=1e-3)
+    p.grad = torch.randn(40).bfloat16()
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    assert sd["state"][0]["master_param"].dtype == torch.float32
+    q = torch.nn.Parameter(p.detach().clone())
+    opt2 = rlhfz.ZeroAdamW([q], lr=1e-3)
+    opt2.load_state_dict(sd)
+    for o, param in ((opt, p), (opt2, q)):
+        param.grad = torch.ones(40, dtype=torch.bfloat16)
+        o.step()
+    assert torch.equal(opt.state[p]["master_param"], opt2.state[q]["master_param"])
+    assert torch.equal(p, q)
+
+
+def test_memory_report_and_placement():
+    p32 = torch.nn.Parameter(torch.randn(1000))
+    p16 = torch.nn.Parameter(torch.randn(500).bfloat16())
+    opt = rlhfz.ZeroAdamW([p32, p16])
+    report = opt.memory_report()
+    assert set(report) == {"params", "grads", "master", "exp_avg", "exp_avg_sq"}
+    # fp32 params are their own master; bf16 ones get an fp32 copy.
+    assert report["params"]["host"] == 1008 * 4 + 512 * 2
+    assert report["grads"]["host"] == report["params"]["host"]
+    assert report["master"]["host"] == 512 * 4
+    assert report["exp_avg"]["host"] == report["exp_avg_sq"]["host"] == (1008 + 512) * 4
+    assert opt.placement() == {k: "host" for k in report}
+
+
+def test_clip_grad_norm_matches_torch():
+    model, ref = _model(), _model()
+    opt = rlhfz.ZeroAdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    x = torch.randn(8, 13)
+    for m in (model, ref):
+        (100 * m(x)).pow(2).mean().backward()
+    norm = opt.clip_grad_norm_(1.0)
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+    torch.testing.assert_close(norm, ref_norm, rtol=1e-6, atol=0)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-9)
+    opt.step()
+    ref_opt.step()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
+
+
+def test_clip_then_modified_grads_are_checked_again():
+    p = torch.nn.Parameter(torch.ones(8))
+    opt = rlhfz.ZeroAdamW([p], lr=0.1)
+    p.grad = torch.ones(8)
+    opt.clip_grad_norm_(1.0)
+    p.grad[3] = float("nan")          # in place, after the clip's check
+    with pytest.raises(rlhfz.NonFiniteGradError):
+        opt.step()
+
+
+def test_build_info_and_threads():
+    info = rlhfz.build_info()
+    for key in ("version", "cuda", "nccl", "simd", "threads", "cuda_compiled"):
+        assert key in info
+    assert info["simd"] in ("scalar", "avx2", "avx512")
+    before = rlhfz.get_num_threads()
+    try:
+        rlhfz.set_num_threads(1)
+        assert rlhfz.get_num_threads() == 1
+        assert rlhfz.build_info()["threads"] == 1
+    finally:
+        rlhfz.set_num_threads(before)
+    with pytest.raises(ValueError):
+        rlhfz.set_num_threads(0)
+
+
+def test_thread_count_does_not_change_results():
+    results = []
+    before = rlhfz.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            rlhfz.set_num_threads(threads)
+            torch.manual_seed(0)
+            p = torch.nn.Parameter(torch.randn(300_001))
+            opt = rlhfz.ZeroAdamW([p], lr=1e-2)
+            for step in range(3):
+                p.grad = torch.randn(300_001, generator=torch.Generator().manual_seed(step))
+                opt.step()
+            results.append(p.detach().clone())
+    finally:
+        rlhfz.set_num_threads(before)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+def test_import_does_not_need_torch():
+    import subprocess
+    import sys
+    code = ("import sys; import rlhfz, numpy as np; "
+            "b = rlhfz._C.Buffer(16); a = np.from_dlpack(b.view('float32')); a[:] = 2; "
+            "assert rlhfz._C.sumsq(b.view('float32')) == 16.0; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_cli_info_and_estimate():
+    import json
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "rlhfz", "info"], check=True,
+                         capture_output=True, text=True).stdout
+    assert json.loads(out)["version"] == rlhfz.__version__
+    out = subprocess.run([sys.executable, "-m", "rlhfz", "estimate", "--params", "7B",
+                          "--world-size", "8", "--stage", "3"], check=True,
+                         capture_output=True, text=True).stdout
+    assert "exp_avg" in out and "total" in out
