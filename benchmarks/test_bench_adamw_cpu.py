@@ -48,23 +48,40 @@ def _free_between():
     gc.collect()
 
 
-# Benchmarks run in file order: the bound first, so the others can report
-# their fraction of it.
-@pytest.mark.parametrize("size", SIZES)
-def test_fp32_bound(benchmark, size):
-    benchmark.group = f"adamw-cpu-fp32-{size}"
+def _bound(benchmark, size, group):
+    benchmark.group = group
     n = SIZES[size]
     p, g, m, v = (torch.rand(n) for _ in range(4))
     _run(benchmark, lambda: _C.adamw_traffic_bound(p, g, m, v), size)
     _record(benchmark, n, size, bound=True)
 
 
+# Benchmarks run in file order: the bound first, so the others can report
+# their fraction of it.
 @pytest.mark.parametrize("size", SIZES)
-def test_fp32_rlhfz(benchmark, size):
+def test_fp32_bound(benchmark, size):
+    _bound(benchmark, size, f"adamw-cpu-fp32-{size}")
+
+
+def _fresh_grads(opt):
+    """Mark the grads as written since the last step, as a backward would
+    (bumping their version counters, without touching memory), so that no
+    step can reuse an earlier finiteness check."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            torch.autograd.graph.increment_version(p.grad)
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("nonfinite", ["raise", None], ids=["checked", "unchecked"])
+def test_fp32_rlhfz(benchmark, size, nonfinite):
+    """checked: the default, refusing NaN/Inf grads before touching any state,
+    which reads the grads once more (4 of 28 bytes); unchecked: torch's
+    semantics (no check), the like-for-like comparison with torch."""
     benchmark.group = f"adamw-cpu-fp32-{size}"
     n = SIZES[size]
     param = torch.nn.Parameter(torch.randn(n))
-    opt = rlhfz.ZeroAdamW([param], lr=1e-3)
+    opt = rlhfz.ZeroAdamW([param], lr=1e-3, nonfinite=nonfinite)
     param.grad = torch.randn(n)
     _run(benchmark, opt.step, size)
     _record(benchmark, n, size)
@@ -85,20 +102,17 @@ def test_fp32_torch(benchmark, size, impl):
 
 @pytest.mark.parametrize("size", SIZES)
 def test_bf16_bound(benchmark, size):
-    benchmark.group = f"adamw-cpu-bf16-{size}"
-    n = SIZES[size]
-    p, g, m, v = (torch.rand(n) for _ in range(4))
-    _run(benchmark, lambda: _C.adamw_traffic_bound(p, g, m, v), size)
-    _record(benchmark, n, size, bound=True)
+    _bound(benchmark, size, f"adamw-cpu-bf16-{size}")
 
 
 @pytest.mark.parametrize("size", SIZES)
-def test_bf16_rlhfz(benchmark, size):
+@pytest.mark.parametrize("nonfinite", ["raise", None], ids=["checked", "unchecked"])
+def test_bf16_rlhfz(benchmark, size, nonfinite):
     """bf16 params and grads, fp32 master and moments: 28 bytes per param."""
     benchmark.group = f"adamw-cpu-bf16-{size}"
     n = SIZES[size]
     param = torch.nn.Parameter(torch.randn(n, dtype=torch.bfloat16))
-    opt = rlhfz.ZeroAdamW([param], lr=1e-3)
+    opt = rlhfz.ZeroAdamW([param], lr=1e-3, nonfinite=nonfinite)
     param.grad = torch.randn(n, dtype=torch.bfloat16)
     _run(benchmark, opt.step, size)
     _record(benchmark, n, size)
@@ -123,3 +137,41 @@ def test_bf16_torch_fused_fp32_master(benchmark, size):
 
     _run(benchmark, step, size)
     _record(benchmark, n, size)
+
+
+# The step as an RLHF loop runs it: clip to a max norm, then step. rlhfz's
+# clip reads the grads once (in fp64, which also proves them finite, so the
+# step skips its own check) and scales them in place; torch's clip is a
+# foreach norm and a foreach multiply, then the fused step.
+@pytest.mark.parametrize("size", SIZES)
+def test_clip_step_rlhfz(benchmark, size):
+    benchmark.group = f"adamw-cpu-fp32-clip+step-{size}"
+    n = SIZES[size]
+    param = torch.nn.Parameter(torch.randn(n))
+    opt = rlhfz.ZeroAdamW([param], lr=1e-3)
+    param.grad = torch.randn(n)
+
+    def step():
+        _fresh_grads(opt)
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+
+    _run(benchmark, step, size)
+    benchmark.extra_info["params"] = n
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_clip_step_torch_fused(benchmark, size):
+    benchmark.group = f"adamw-cpu-fp32-clip+step-{size}"
+    n = SIZES[size]
+    param = torch.nn.Parameter(torch.randn(n))
+    opt = torch.optim.AdamW([param], lr=1e-3, fused=True)
+    param.grad = torch.randn(n)
+
+    def step():
+        _fresh_grads(opt)
+        torch.nn.utils.clip_grad_norm_([param], 1.0)
+        opt.step()
+
+    _run(benchmark, step, size)
+    benchmark.extra_info["params"] = n

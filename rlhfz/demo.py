@@ -63,6 +63,7 @@ class TinyGPT(nn.Module):
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
         nn.init.normal_(self.pos, std=0.02)
+        nn.init.normal_(self.embed.weight, std=0.02)
 
     def forward(self, tokens, targets=None):
         x = self.embed(tokens) + self.pos[: tokens.shape[1]]
@@ -92,6 +93,16 @@ def param_groups(model: nn.Module, weight_decay: float):
             {"params": no_decay, "weight_decay": 0.0}]
 
 
+def relative_difference(model_a: nn.Module, model_b: nn.Module) -> float:
+    """||a - b|| / ||b|| over all parameters. An elementwise maximum would be
+    dominated by directions the loss ignores (attention's key bias): their
+    grads are rounding noise, which Adam normalizes into full-size steps."""
+    diff = sum(((a - b).double() ** 2).sum().item()
+               for a, b in zip(model_a.parameters(), model_b.parameters()))
+    norm = sum((b.double() ** 2).sum().item() for b in model_b.parameters())
+    return math.sqrt(diff / norm)
+
+
 def _format_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -119,7 +130,7 @@ def run(steps: int = 300, batch_size: int = 16, lr: float = 3e-3, seed: int = 0,
     print_fn(f"rlhfz {info['version']} demo: TinyGPT {cfg.layers} layers x {cfg.dim} dims, "
              f"{nparams:,} params, {steps} steps, batch {batch_size}x{cfg.seq_len}; "
              f"simd={info['simd']} threads={info['threads']} cuda={info['cuda']}")
-    print_fn(f"{'step':>5}  {'loss rlhfz':>10}  {'loss torch':>10}  {'max |dp|':>9}  "
+    print_fn(f"{'step':>5}  {'loss rlhfz':>10}  {'loss torch':>10}  {'rel |dp|':>9}  "
              f"{'opt ms rlhfz':>12}  {'opt ms torch':>12}")
     gen = torch.Generator().manual_seed(seed + 1)
     times = {"rlhfz": 0.0, "torch": 0.0}
@@ -137,8 +148,7 @@ def run(steps: int = 300, batch_size: int = 16, lr: float = 3e-3, seed: int = 0,
             sched.step()
             losses[name].append(loss.item())
         if step % log_every == 0 or step == 1 or step == steps:
-            diff = max((a - b).abs().max().item() for a, b in
-                       zip(model_rlhfz.parameters(), model_torch.parameters()))
+            diff = relative_difference(model_rlhfz, model_torch)
             print_fn(f"{step:>5}  {losses['rlhfz'][-1]:>10.4f}  {losses['torch'][-1]:>10.4f}  "
                      f"{diff:>9.2e}  {1e3 * times['rlhfz'] / step:>12.3f}  "
                      f"{1e3 * times['torch'] / step:>12.3f}")
@@ -147,12 +157,13 @@ def run(steps: int = 300, batch_size: int = 16, lr: float = 3e-3, seed: int = 0,
     for kind, tiers in report.items():
         print_fn(f"  {kind:<11} " + ", ".join(f"{tier}: {_format_bytes(n)}"
                                               for tier, n in tiers.items()))
-    max_diff = max((a - b).abs().max().item() for a, b in
-                   zip(model_rlhfz.parameters(), model_torch.parameters()))
+    diff = relative_difference(model_rlhfz, model_torch)
     first, last = losses["rlhfz"][0], sum(losses["rlhfz"][-10:]) / 10
-    print_fn(f"loss {first:.3f} -> {last:.3f}; max |param difference| vs torch.optim.AdamW: "
-             f"{max_diff:.2e}")
+    speedup = times["torch"] / times["rlhfz"]
+    print_fn(f"loss {first:.3f} -> {last:.3f} (mean of the last 10); params differ from "
+             f"torch.optim.AdamW's by {diff:.2e} relative (L2); optimizer step "
+             f"{speedup:.2f}x torch's")
     if not (math.isfinite(last) and last < first):
         raise RuntimeError("the demo did not learn: the loss did not go down")
-    return {"losses": losses, "max_param_diff": max_diff, "memory_report": report,
+    return {"losses": losses, "relative_param_diff": diff, "memory_report": report,
             "step_seconds": {k: v / steps for k, v in times.items()}}

@@ -62,6 +62,12 @@ class ZeroAdamW(Optimizer):
 
     ``foreach`` and ``fused`` are accepted for compatibility: every rlhfz step
     is one fused kernel per bucket, whatever they say.
+
+    ``nonfinite`` says what a NaN or Inf grad does: "raise" (the default)
+    raises NonFiniteGradError, "skip" skips the step; both leave params and
+    state untouched, which takes one read of the grads before the update
+    (free after clip_grad_norm_, which reads them anyway). None does no check,
+    as torch.optim.AdamW: a NaN then flows into params and state.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
@@ -80,8 +86,8 @@ class ZeroAdamW(Optimizer):
             raise ValueError(f"offload_ratio must be a number in [0, 1], not {offload_ratio!r}")
         if pin_memory not in (True, False, "auto"):
             raise ValueError(f"pin_memory must be True, False or 'auto', not {pin_memory!r}")
-        if nonfinite not in ("raise", "skip"):
-            raise ValueError(f"nonfinite must be 'raise' or 'skip', not {nonfinite!r}")
+        if nonfinite not in ("raise", "skip", None):
+            raise ValueError(f"nonfinite must be 'raise', 'skip' or None, not {nonfinite!r}")
         if not (isinstance(param_persistence_threshold, int) and param_persistence_threshold >= 0):
             raise ValueError("param_persistence_threshold must be an int >= 0")
 
@@ -280,7 +286,7 @@ class ZeroAdamW(Optimizer):
         # so a refused step leaves params and state exactly as they were.
         hparams = [self._group_hparams(group) for group in self.param_groups]
         plan = self._plan()
-        if not self._grads_finite(plan):
+        if self.nonfinite is not None and not self._grads_finite(plan):
             self._finite_versions = None
             if self.nonfinite == "skip":
                 self.skipped_steps += 1

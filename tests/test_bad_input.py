@@ -155,6 +155,18 @@ def test_nonfinite_grad_skip_policy_skips_the_step():
     assert opt.state[params[0]]["step"].item() == 2
 
 
+def test_nonfinite_none_propagates_like_torch():
+    p = torch.nn.Parameter(torch.ones(4))
+    q = torch.nn.Parameter(torch.ones(4))
+    opt = rlhfz.ZeroAdamW([p], lr=0.1, nonfinite=None)
+    ref = torch.optim.AdamW([q], lr=0.1)
+    for param, o in ((p, opt), (q, ref)):
+        param.grad = torch.tensor([1.0, float("nan"), 2.0, 3.0])
+        o.step()
+    torch.testing.assert_close(p.detach(), q.detach(), equal_nan=True)
+    assert torch.isnan(p[1]) and torch.isfinite(p[[0, 2, 3]]).all()
+
+
 def test_clip_grad_norm_error_if_nonfinite():
     params, opt = _trained()
     params[0].grad = torch.full((7, 3), float("inf"))
