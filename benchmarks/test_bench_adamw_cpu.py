@@ -20,7 +20,7 @@ from rlhfz import _C
 
 BYTES_PER_PARAM = 28
 SIZES = {"10M": 10_000_000, "100M": 100_000_000}
-ROUNDS = {"10M": 20, "100M": 5}
+ROUNDS = {"10M": 40, "100M": 10}
 _bounds: dict[str, float] = {}
 
 
@@ -175,3 +175,108 @@ def test_clip_step_torch_fused(benchmark, size):
 
     _run(benchmark, step, size)
     benchmark.extra_info["params"] = n
+
+
+# ---- interleaved comparisons ------------------------------------------------
+# On a shared machine, load drifts between tests by 10-20%. Here every
+# implementation runs once per round, in turn, so drift hits all alike; each
+# reports its best round. The timed call (what pytest-benchmark shows) is
+# rlhfz's default step; the full comparison is in extra_info.
+INTERLEAVED_ROUNDS = {"10M": 40, "100M": 12}
+
+
+def _interleaved_best(fns: dict, rounds: int) -> dict:
+    import time
+    best = {name: float("inf") for name in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def _comparison_entries(benchmark, n, best, bound_name):
+    bound = BYTES_PER_PARAM * n / best[bound_name] / 1e9
+    for name, seconds in best.items():
+        gbps = BYTES_PER_PARAM * n / seconds / 1e9
+        benchmark.extra_info[name] = {"ms": round(seconds * 1e3, 3), "GB/s": round(gbps, 2),
+                                      "fraction_of_bound": round(gbps / bound, 3)}
+    benchmark.extra_info["params"] = n
+    benchmark.extra_info["threads"] = rlhfz.get_num_threads()
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_fp32_interleaved(benchmark, size):
+    benchmark.group = f"adamw-cpu-fp32-interleaved-{size}"
+    n = SIZES[size]
+    p, g, m, v = (torch.rand(n) for _ in range(4))
+    checked_param = torch.nn.Parameter(torch.randn(n))
+    checked = rlhfz.ZeroAdamW([checked_param], lr=1e-3)
+    checked_param.grad = torch.randn(n)
+    unchecked_param = torch.nn.Parameter(torch.randn(n))
+    unchecked = rlhfz.ZeroAdamW([unchecked_param], lr=1e-3, nonfinite=None)
+    unchecked_param.grad = torch.randn(n)
+    fused_param = torch.nn.Parameter(torch.randn(n))
+    fused = torch.optim.AdamW([fused_param], lr=1e-3, fused=True)
+    fused_param.grad = torch.randn(n)
+    best = _interleaved_best({
+        "bound": lambda: _C.adamw_traffic_bound(p, g, m, v),
+        "rlhfz_checked": checked.step,
+        "rlhfz_unchecked": unchecked.step,
+        "torch_fused": fused.step,
+    }, INTERLEAVED_ROUNDS[size])
+    _comparison_entries(benchmark, n, best, "bound")
+    benchmark.extra_info["rlhfz_unchecked_speedup_vs_torch_fused"] = round(
+        best["torch_fused"] / best["rlhfz_unchecked"], 3)
+    benchmark.extra_info["rlhfz_checked_speedup_vs_torch_fused"] = round(
+        best["torch_fused"] / best["rlhfz_checked"], 3)
+    benchmark.pedantic(checked.step, rounds=3, iterations=1)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_bf16_interleaved(benchmark, size):
+    benchmark.group = f"adamw-cpu-bf16-interleaved-{size}"
+    n = SIZES[size]
+    p, g, m, v = (torch.rand(n) for _ in range(4))
+    opts = {}
+    for name, nonfinite in (("rlhfz_checked", "raise"), ("rlhfz_unchecked", None)):
+        param = torch.nn.Parameter(torch.randn(n, dtype=torch.bfloat16))
+        opts[name] = rlhfz.ZeroAdamW([param], lr=1e-3, nonfinite=nonfinite)
+        param.grad = torch.randn(n, dtype=torch.bfloat16)
+    best = _interleaved_best({"bound": lambda: _C.adamw_traffic_bound(p, g, m, v),
+                              **{name: opt.step for name, opt in opts.items()}},
+                             INTERLEAVED_ROUNDS[size])
+    _comparison_entries(benchmark, n, best, "bound")
+    benchmark.pedantic(opts["rlhfz_checked"].step, rounds=3, iterations=1)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_clip_step_interleaved(benchmark, size):
+    benchmark.group = f"adamw-cpu-fp32-clip+step-interleaved-{size}"
+    n = SIZES[size]
+    ours_param = torch.nn.Parameter(torch.randn(n))
+    ours = rlhfz.ZeroAdamW([ours_param], lr=1e-3)
+    ours_param.grad = torch.randn(n)
+    ref_param = torch.nn.Parameter(torch.randn(n))
+    ref = torch.optim.AdamW([ref_param], lr=1e-3, fused=True)
+    ref_param.grad = torch.randn(n)
+
+    def ours_step():
+        _fresh_grads(ours)
+        ours.clip_grad_norm_(1.0)
+        ours.step()
+
+    def ref_step():
+        _fresh_grads(ref)
+        torch.nn.utils.clip_grad_norm_([ref_param], 1.0)
+        ref.step()
+
+    best = _interleaved_best({"rlhfz": ours_step, "torch_fused": ref_step},
+                             INTERLEAVED_ROUNDS[size])
+    for name, seconds in best.items():
+        benchmark.extra_info[name] = {"ms": round(seconds * 1e3, 3)}
+    benchmark.extra_info["rlhfz_speedup_vs_torch"] = round(best["torch_fused"] / best["rlhfz"], 3)
+    benchmark.pedantic(ours_step, rounds=3, iterations=1)
