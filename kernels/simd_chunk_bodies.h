@@ -202,23 +202,37 @@ void SIMD_NAME(rlhfz_adamw_chunk)(const rlhfz_adamw_shard *shard, const rlhfz_ad
 
 SIMD_INLINE double sumsq_loop(const void *x, rlhfz_dtype dtype, size_t begin, size_t end)
 {
+    /* Four streams a quarter of the range apart: one sequential stream keeps
+     * too few cache misses in flight to reach the memory's bandwidth (on a
+     * 2-vCPU EPYC, 37 GB/s read-only, against 57 GB/s for AdamW's streams). */
+    const size_t quarter = (end - begin) / (4 * W) * W;
+    const size_t q1 = begin + quarter, q2 = q1 + quarter, q3 = q2 + quarter;
     simd_f64 acc0 = simd_f64_zero(), acc1 = simd_f64_zero();
     simd_f64 acc2 = simd_f64_zero(), acc3 = simd_f64_zero();
-    size_t i = begin;
-    for (; i + 2 * W <= end; i += 2 * W) {
-        simd_f32 a = load_as_f32(x, dtype, i);
-        simd_f32 b = load_as_f32(x, dtype, i + W);
+    simd_f64 acc4 = simd_f64_zero(), acc5 = simd_f64_zero();
+    simd_f64 acc6 = simd_f64_zero(), acc7 = simd_f64_zero();
+    for (size_t k = 0; k < quarter; k += W) {
+        simd_f32 a = load_as_f32(x, dtype, begin + k);
+        simd_f32 b = load_as_f32(x, dtype, q1 + k);
+        simd_f32 c = load_as_f32(x, dtype, q2 + k);
+        simd_f32 d = load_as_f32(x, dtype, q3 + k);
         acc0 = simd_add_squares_lo(acc0, a);
         acc1 = simd_add_squares_hi(acc1, a);
         acc2 = simd_add_squares_lo(acc2, b);
         acc3 = simd_add_squares_hi(acc3, b);
+        acc4 = simd_add_squares_lo(acc4, c);
+        acc5 = simd_add_squares_hi(acc5, c);
+        acc6 = simd_add_squares_lo(acc6, d);
+        acc7 = simd_add_squares_hi(acc7, d);
     }
+    size_t i = q3 + quarter;
     for (; i + W <= end; i += W) {
         simd_f32 a = load_as_f32(x, dtype, i);
         acc0 = simd_add_squares_lo(acc0, a);
         acc1 = simd_add_squares_hi(acc1, a);
     }
-    simd_f64 acc = simd_f64_add(simd_f64_add(acc0, acc1), simd_f64_add(acc2, acc3));
+    simd_f64 acc = simd_f64_add(simd_f64_add(simd_f64_add(acc0, acc1), simd_f64_add(acc2, acc3)),
+                                simd_f64_add(simd_f64_add(acc4, acc5), simd_f64_add(acc6, acc7)));
     return simd_f64_hsum(acc) + rlhfz_sumsq_chunk_scalar(x, dtype, i, end);
 }
 
