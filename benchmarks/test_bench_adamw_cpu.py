@@ -143,38 +143,35 @@ def test_bf16_torch_fused_fp32_master(benchmark, size):
 # clip reads the grads once (in fp64, which also proves them finite, so the
 # step skips its own check) and scales them in place; torch's clip is a
 # foreach norm and a foreach multiply, then the fused step.
+def _clip_steps(n):
+    """(rlhfz clip+step, torch clip+fused step) over fresh n-param models."""
+    ours_param = torch.nn.Parameter(torch.randn(n))
+    ours = rlhfz.ZeroAdamW([ours_param], lr=1e-3)
+    ours_param.grad = torch.randn(n)
+    ref_param = torch.nn.Parameter(torch.randn(n))
+    ref = torch.optim.AdamW([ref_param], lr=1e-3, fused=True)
+    ref_param.grad = torch.randn(n)
+
+    def ours_step():
+        _fresh_grads(ours)
+        ours.clip_grad_norm_(1.0)
+        ours.step()
+
+    def ref_step():
+        _fresh_grads(ref)
+        torch.nn.utils.clip_grad_norm_([ref_param], 1.0)
+        ref.step()
+
+    return ours_step, ref_step
+
+
 @pytest.mark.parametrize("size", SIZES)
-def test_clip_step_rlhfz(benchmark, size):
+@pytest.mark.parametrize("impl", ["rlhfz", "torch_fused"])
+def test_clip_step(benchmark, size, impl):
     benchmark.group = f"adamw-cpu-fp32-clip+step-{size}"
-    n = SIZES[size]
-    param = torch.nn.Parameter(torch.randn(n))
-    opt = rlhfz.ZeroAdamW([param], lr=1e-3)
-    param.grad = torch.randn(n)
-
-    def step():
-        _fresh_grads(opt)
-        opt.clip_grad_norm_(1.0)
-        opt.step()
-
-    _run(benchmark, step, size)
-    benchmark.extra_info["params"] = n
-
-
-@pytest.mark.parametrize("size", SIZES)
-def test_clip_step_torch_fused(benchmark, size):
-    benchmark.group = f"adamw-cpu-fp32-clip+step-{size}"
-    n = SIZES[size]
-    param = torch.nn.Parameter(torch.randn(n))
-    opt = torch.optim.AdamW([param], lr=1e-3, fused=True)
-    param.grad = torch.randn(n)
-
-    def step():
-        _fresh_grads(opt)
-        torch.nn.utils.clip_grad_norm_([param], 1.0)
-        opt.step()
-
-    _run(benchmark, step, size)
-    benchmark.extra_info["params"] = n
+    ours_step, ref_step = _clip_steps(SIZES[size])
+    _run(benchmark, ours_step if impl == "rlhfz" else ref_step, size)
+    benchmark.extra_info["params"] = SIZES[size]
 
 
 # ---- interleaved comparisons ------------------------------------------------
@@ -256,24 +253,7 @@ def test_bf16_interleaved(benchmark, size):
 @pytest.mark.parametrize("size", SIZES)
 def test_clip_step_interleaved(benchmark, size):
     benchmark.group = f"adamw-cpu-fp32-clip+step-interleaved-{size}"
-    n = SIZES[size]
-    ours_param = torch.nn.Parameter(torch.randn(n))
-    ours = rlhfz.ZeroAdamW([ours_param], lr=1e-3)
-    ours_param.grad = torch.randn(n)
-    ref_param = torch.nn.Parameter(torch.randn(n))
-    ref = torch.optim.AdamW([ref_param], lr=1e-3, fused=True)
-    ref_param.grad = torch.randn(n)
-
-    def ours_step():
-        _fresh_grads(ours)
-        ours.clip_grad_norm_(1.0)
-        ours.step()
-
-    def ref_step():
-        _fresh_grads(ref)
-        torch.nn.utils.clip_grad_norm_([ref_param], 1.0)
-        ref.step()
-
+    ours_step, ref_step = _clip_steps(SIZES[size])
     best = _interleaved_best({"rlhfz": ours_step, "torch_fused": ref_step},
                              INTERLEAVED_ROUNDS[size])
     for name, seconds in best.items():

@@ -81,6 +81,7 @@ class Bucket:
         self.steps = torch.zeros(len(params), dtype=torch.float32)
         self.step_views = [self.steps[i] for i in range(len(params))]
         self.registered = [False] * len(params)
+        self.all_registered = False   # lets a step skip the per-param check
         self._hook_handles = []
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:

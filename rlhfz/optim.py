@@ -306,9 +306,11 @@ class ZeroAdamW(Optimizer):
                     bucket.steps.add_(1.0)
                 else:
                     bucket.steps[start:stop].add_(1.0)
-                for i in range(start, stop):
-                    if not bucket.registered[i]:
-                        self._register_state(bucket, i)
+                if not bucket.all_registered:
+                    for i in range(start, stop):
+                        if not bucket.registered[i]:
+                            self._register_state(bucket, i)
+                    bucket.all_registered = all(bucket.registered)
         self._finite_versions = None
         return loss
 
@@ -324,6 +326,7 @@ class ZeroAdamW(Optimizer):
     def _unregister_state(self, bucket: Bucket, index: int) -> None:
         self.state.pop(bucket.params[index], None)
         bucket.registered[index] = False
+        bucket.all_registered = False
 
     # ---- state dicts -------------------------------------------------------------------
 
