@@ -38,7 +38,7 @@ class Bucket:
     """The params of one (param group, dtype), laid out back to back."""
 
     def __init__(self, params: list[torch.Tensor], group_index: int, dtype: torch.dtype,
-                 world_size: int = 1):
+                 rank: int = 0, world_size: int = 1):
         self.params = params
         self.group_index = group_index
         self.dtype = dtype
@@ -46,20 +46,28 @@ class Bucket:
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.layout: BucketLayout = plan_bucket([tuple(p.shape) for p in params], itemsize,
                                                 world_size)
+        self.rank, self.world_size = rank, world_size
         n = self.layout.padded_numel
+        shard = self.layout.shard_numel
+        self.shard_start = rank * shard
         # Allocate everything before touching any param, so a failure here
-        # (out of memory) leaves the model as it was.
+        # (out of memory) leaves the model as it was. Params and grads are
+        # whole; master, moments and the reduced grad cover this rank's shard.
         self.param_buffer = _C.Buffer(n * itemsize)
         self.grad_buffer = _C.Buffer(n * itemsize)
-        self.master_buffer = None if dtype == torch.float32 else _C.Buffer(n * 4)
-        self.exp_avg_buffer = _C.Buffer(n * 4)
-        self.exp_avg_sq_buffer = _C.Buffer(n * 4)
+        self.grad_shard_buffer = _C.Buffer(shard * itemsize) if world_size > 1 else None
+        self.master_buffer = None if dtype == torch.float32 else _C.Buffer(shard * 4)
+        self.exp_avg_buffer = _C.Buffer(shard * 4)
+        self.exp_avg_sq_buffer = _C.Buffer(shard * 4)
 
-        # Kernel-facing views of whole buckets: passed to _C without DLPack.
+        # Kernel-facing views of whole buckets and shards: passed to _C without DLPack.
         self.param_kview = self.param_buffer.view(self.dtype_name)
         self.grad_kview = self.grad_buffer.view(self.dtype_name)
-        master_buffer = self.master_buffer or self.param_buffer
-        self.master_kview = master_buffer.view("float32")
+        self.grad_shard_kview = (self.grad_shard_buffer.view(self.dtype_name)
+                                 if self.grad_shard_buffer else self.grad_kview)
+        self.master_kview = self._master_view(0, shard)
+        self.param_shard_kview = self.param_buffer.view(self.dtype_name, self.shard_start,
+                                                        (shard,))
         self.exp_avg_kview = self.exp_avg_buffer.view("float32")
         self.exp_avg_sq_kview = self.exp_avg_sq_buffer.view("float32")
 
@@ -68,14 +76,21 @@ class Bucket:
         # in the bucket was modified in place since a check.
         self.flat_param = torch.from_dlpack(self.param_kview)
         self.flat_grad = torch.from_dlpack(self.grad_kview)
+        self.flat_grad_shard = torch.from_dlpack(self.grad_shard_kview)
+        self.flat_param_shard = torch.from_dlpack(self.param_shard_kview)
         self.flat_master = torch.from_dlpack(self.master_kview)
         self.flat_exp_avg = torch.from_dlpack(self.exp_avg_kview)
         self.flat_exp_avg_sq = torch.from_dlpack(self.exp_avg_sq_kview)
         self.param_views = self._views(self.flat_param)
         self.grad_views = self._views(self.flat_grad)
-        self.master_views = self._views(self.flat_master) if self.master_buffer else None
-        self.exp_avg_views = self._views(self.flat_exp_avg)
-        self.exp_avg_sq_views = self._views(self.flat_exp_avg_sq)
+        # Each param's part of this rank's shard, in shard coordinates (empty
+        # ranges for params wholly on other ranks). With one rank, the state
+        # views have the params' shapes, as torch.optim.AdamW's do.
+        self.local = [self._local_range(slot) for slot in self.layout.slots]
+        self.master_views = self._state_views(self.flat_master) if self.master_buffer else None
+        self.exp_avg_views = self._state_views(self.flat_exp_avg)
+        self.exp_avg_sq_views = self._state_views(self.flat_exp_avg_sq)
+        self.reduced_version = None    # flat_grad's version when last reduce-scattered
         # Per-param step counts, as torch.optim.AdamW keeps them; state['step']
         # is a 0-dim view of one entry.
         self.steps = torch.zeros(len(params), dtype=torch.float32)
@@ -83,6 +98,33 @@ class Bucket:
         self.registered = [False] * len(params)
         self.all_registered = False   # lets a step skip the per-param check
         self._hook_handles = []
+
+    def _master_view(self, lo: int, n: int):
+        """fp32 master over shard elements [lo, lo + n): its own buffer for
+        16-bit params, else this rank's range of the params themselves."""
+        if self.master_buffer is not None:
+            return self.master_buffer.view("float32", lo, (n,))
+        return self.param_buffer.view("float32", self.shard_start + lo, (n,))
+
+    def _local_range(self, slot) -> tuple[int, int]:
+        lo = max(slot.offset, self.shard_start)
+        hi = min(slot.offset + slot.numel, self.shard_start + self.layout.shard_numel)
+        lo = min(lo, hi)
+        return lo - self.shard_start, hi - self.shard_start
+
+    def local_part(self, index: int, full: torch.Tensor) -> torch.Tensor:
+        """The part of a param-shaped tensor that lies in this rank's shard,
+        shaped like the param's state view."""
+        if self.world_size == 1:
+            return full
+        a, b = self.local[index]
+        offset = self.layout.slots[index].offset - self.shard_start
+        return full.reshape(-1)[a - offset:b - offset]
+
+    def _state_views(self, flat_shard: torch.Tensor) -> list[torch.Tensor]:
+        if self.world_size == 1:
+            return self._views(flat_shard)
+        return [flat_shard[a:b] for a, b in self.local]
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.layout.slots]
@@ -100,7 +142,7 @@ class Bucket:
                     grad_view.copy_(grad)
                     p.grad = grad_view
         if self.master_buffer is not None:
-            _C.cast_(self.master_kview, self.param_kview)
+            _C.cast_(self.master_kview, self.param_shard_kview)
         self_ref = weakref.ref(self)
         for i, p in enumerate(self.params):
             if p.requires_grad:
@@ -162,46 +204,47 @@ class Bucket:
     def segments(self, present: list[bool]) -> list[tuple[int, int]]:
         return _segment_ranges(present, self.steps.tolist())
 
-    def element_range(self, start: int, stop: int) -> tuple[int, int]:
-        """Elements spanned by params [start, stop); the whole padded bucket
-        when that covers every param (padding is zero and stays zero)."""
-        slots = self.layout.slots
-        if start == 0 and stop == len(slots):
-            return 0, self.layout.padded_numel
-        last = slots[stop - 1]
-        return slots[start].offset, last.offset + last.numel
+    def element_range(self, start: int, stop: int) -> tuple[int, int] | None:
+        """Shard elements spanned by params [start, stop): the whole shard
+        when that covers every param (padding is zero and stays zero); None
+        when none of them has elements on this rank."""
+        if start == 0 and stop == len(self.params):
+            return 0, self.layout.shard_numel
+        pieces = [self.local[i] for i in range(start, stop) if self.local[i][0] < self.local[i][1]]
+        if not pieces:
+            return None
+        return pieces[0][0], pieces[-1][1]
 
-    def kernel_views(self, start: int, stop: int):
-        """(master, exp_avg, exp_avg_sq, grad, param_out) for params [start, stop)."""
-        lo, hi = self.element_range(start, stop)
-        param_out = None
-        if lo == 0 and hi == self.layout.padded_numel:
-            if self.master_buffer is not None:
-                param_out = self.param_kview
+    def kernel_views(self, lo: int, hi: int):
+        """(master, exp_avg, exp_avg_sq, grad, param_out) over shard elements [lo, hi)."""
+        if lo == 0 and hi == self.layout.shard_numel:
+            param_out = self.param_shard_kview if self.master_buffer is not None else None
             return (self.master_kview, self.exp_avg_kview, self.exp_avg_sq_kview,
-                    self.grad_kview, param_out)
+                    self.grad_shard_kview, param_out)
         n = (hi - lo,)
-        master_buffer = self.master_buffer or self.param_buffer
+        param_out = None
         if self.master_buffer is not None:
-            param_out = self.param_buffer.view(self.dtype_name, lo, n)
-        return (master_buffer.view("float32", lo, n),
+            param_out = self.param_buffer.view(self.dtype_name, self.shard_start + lo, n)
+        return (self._master_view(lo, hi - lo),
                 self.exp_avg_buffer.view("float32", lo, n),
                 self.exp_avg_sq_buffer.view("float32", lo, n),
-                self.grad_buffer.view(self.dtype_name, lo, n),
+                self.grad_shard_kview_range(lo, hi),
                 param_out)
 
-    def grad_kview_range(self, start: int, stop: int):
-        lo, hi = self.element_range(start, stop)
-        if lo == 0 and hi == self.layout.padded_numel:
-            return self.grad_kview
+    def grad_shard_kview_range(self, lo: int, hi: int):
+        if lo == 0 and hi == self.layout.shard_numel:
+            return self.grad_shard_kview
+        if self.grad_shard_buffer is not None:
+            return self.grad_shard_buffer.view(self.dtype_name, lo, (hi - lo,))
         return self.grad_buffer.view(self.dtype_name, lo, (hi - lo,))
 
     # ---- accounting -------------------------------------------------------------------
 
     def nbytes(self) -> dict[str, int]:
+        shard_grads = self.grad_shard_buffer.nbytes if self.grad_shard_buffer else 0
         return {
             "params": self.param_buffer.nbytes,
-            "grads": self.grad_buffer.nbytes,
+            "grads": self.grad_buffer.nbytes + shard_grads,
             "master": self.master_buffer.nbytes if self.master_buffer is not None else 0,
             "exp_avg": self.exp_avg_buffer.nbytes,
             "exp_avg_sq": self.exp_avg_sq_buffer.nbytes,

@@ -17,6 +17,7 @@ from torch.optim import Optimizer
 
 from . import _C
 from .buckets import DTYPE_NAMES, Bucket
+from .comm import communicator_for
 
 _TIERS = ("host",)
 _KINDS = ("params", "grads", "master", "exp_avg", "exp_avg_sq")
@@ -102,11 +103,13 @@ class ZeroAdamW(Optimizer):
         elif stage == 3:
             raise ValueError("stage=3 shards parameters per module unit, so it needs the "
                              "nn.Module itself: pass ZeroAdamW(model, stage=3)")
-        self.world_size = self._world_size(process_group)
-        if self.world_size > 1:
+        self.comm = communicator_for(process_group)
+        self.rank = self.comm.rank if self.comm else 0
+        self.world_size = self.comm.world_size if self.comm else 1
+        if self.world_size > 1 and stage != 1:
             raise NotImplementedError(
-                f"ZeroAdamW runs in a single process in this version; the process group has "
-                f"{self.world_size} ranks")
+                f"across processes this version shards stage 1 (optimizer states); "
+                f"stage={stage} with {self.world_size} ranks is not available yet")
 
         self.stage = stage
         self.module = module
@@ -124,14 +127,6 @@ class ZeroAdamW(Optimizer):
                         maximize=maximize, foreach=foreach, capturable=False,
                         differentiable=False, fused=fused, decoupled_weight_decay=True)
         super().__init__(params, defaults)
-
-    @staticmethod
-    def _world_size(process_group) -> int:
-        if process_group is not None:
-            return torch.distributed.get_world_size(process_group)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            return torch.distributed.get_world_size()
-        return 1
 
     # ---- param groups ----------------------------------------------------------
 
@@ -162,7 +157,8 @@ class ZeroAdamW(Optimizer):
         for dtype in DTYPE_NAMES:
             members = [p for p in tensors if p.dtype == dtype]
             if members:
-                buckets.append(Bucket(members, group_index, dtype, self.world_size))
+                buckets.append(Bucket(members, group_index, dtype, self.rank,
+                                      self.world_size))
         group["params"] = params
         super().add_param_group(group)
         param_group.clear()
@@ -220,22 +216,63 @@ class ZeroAdamW(Optimizer):
                                f"shape {tuple(p.shape)}")
         return bad
 
+    def _sumsq(self, plan) -> float:
+        """Sum of squares of every (reduced) grad, over all ranks."""
+        total = 0.0
+        for bucket, _, segments in plan:
+            for _, _, lo, hi in segments:
+                total += _C.sumsq(bucket.grad_shard_kview_range(lo, hi))
+        if self.comm is not None:
+            summed = torch.tensor([total], dtype=torch.float64)
+            self.comm.all_reduce_sum(summed)
+            total = summed.item()
+        return total
+
     def _grads_finite(self, plan) -> bool:
         if self._finite_versions is not None and self._finite_versions == self._grad_versions():
             return True
-        for bucket, _, segments in plan:
-            for start, stop in segments:
-                if not math.isfinite(_C.sumsq(bucket.grad_kview_range(start, stop))):
-                    return False
-        return True
+        return math.isfinite(self._sumsq(plan))
 
-    def _plan(self):
-        """(bucket, which params have grads, kernel segments) for every bucket."""
+    def _plan(self, call: str = "step"):
+        """(bucket, which params have grads, kernel ranges in shard elements)
+        for every bucket, with grads reduced across ranks."""
+        presence = [bucket.collect_grads() for bucket in self._buckets]
+        if self.comm is not None:
+            presence = self._agree_presence(presence, call)
+            self._reduce_grads(presence)
         plan = []
-        for bucket in self._buckets:
-            present = bucket.collect_grads()
-            plan.append((bucket, present, bucket.segments(present)))
+        for bucket, present in zip(self._buckets, presence):
+            ranges = []
+            for start, stop in bucket.segments(present):
+                span = bucket.element_range(start, stop)
+                if span is not None:
+                    ranges.append((start, stop) + span)
+            plan.append((bucket, present, ranges))
         return plan
+
+    def _agree_presence(self, presence, call):
+        """A param has a grad if it has one on any rank (DDP's rule); ranks
+        without it contribute zeros. One small MAX all-reduce, under rlhfz's
+        timeout, which also catches a rank that never entered the step."""
+        flat = [has for present in presence for has in present]
+        mask = torch.tensor(flat, dtype=torch.uint8)
+        self.comm.all_reduce_max_control(mask, f"ZeroAdamW.{call}")
+        merged, i = [], 0
+        for bucket, present in zip(self._buckets, presence):
+            agreed = [bool(v) for v in mask[i:i + len(present)].tolist()]
+            i += len(present)
+            for index, (mine, anyone) in enumerate(zip(present, agreed)):
+                if anyone and not mine:
+                    bucket.grad_views[index].zero_()
+            merged.append(agreed)
+        return merged
+
+    def _reduce_grads(self, presence) -> None:
+        """Reduce-scatter (average) each bucket's grads once per backward."""
+        for bucket, present in zip(self._buckets, presence):
+            if any(present) and bucket.reduced_version != bucket.flat_grad._version:
+                self.comm.reduce_scatter(bucket.flat_grad_shard, bucket.flat_grad)
+                bucket.reduced_version = bucket.flat_grad._version
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
@@ -245,12 +282,8 @@ class ZeroAdamW(Optimizer):
         if float(norm_type) != 2.0:
             raise ValueError(f"only the 2-norm is supported, not norm_type={norm_type}")
         max_norm = float(max_norm)
-        plan = self._plan()
-        total_sq = 0.0
-        for bucket, _, segments in plan:
-            for start, stop in segments:
-                total_sq += _C.sumsq(bucket.grad_kview_range(start, stop))
-        total = math.sqrt(total_sq)
+        plan = self._plan("clip_grad_norm_")
+        total = math.sqrt(self._sumsq(plan))
         if error_if_nonfinite and not math.isfinite(total):
             raise RuntimeError(f"The total norm of order 2.0 for gradients from `parameters` is "
                                f"non-finite, so it cannot be clipped. To disable this error and "
@@ -259,8 +292,8 @@ class ZeroAdamW(Optimizer):
         coef = max_norm / (total + 1e-6)
         if coef < 1.0:
             for bucket, _, segments in plan:
-                for start, stop in segments:
-                    _C.scale_(bucket.grad_kview_range(start, stop), coef)
+                for _, _, lo, hi in segments:
+                    _C.scale_(bucket.grad_shard_kview_range(lo, hi), coef)
         # The C kernels leave torch's version counters alone, so these record
         # the grads exactly as checked: an unchanged step skips its own check.
         self._finite_versions = self._grad_versions() if math.isfinite(total) else None
@@ -299,9 +332,12 @@ class ZeroAdamW(Optimizer):
         for bucket, present, segments in plan:
             hp = hparams[bucket.group_index]
             steps = bucket.steps.tolist()
-            for start, stop in segments:
+            for start, stop, lo, hi in segments:
                 step = int(steps[start]) + 1
-                _C.adamw_step(*bucket.kernel_views(start, stop), step=step, **hp)
+                _C.adamw_step(*bucket.kernel_views(lo, hi), step=step, **hp)
+            # Step counts advance for every param with a grad, also those
+            # whose elements all live on other ranks.
+            for start, stop in bucket.segments(present):
                 if start == 0 and stop == len(present):
                     bucket.steps.add_(1.0)
                 else:
@@ -311,6 +347,8 @@ class ZeroAdamW(Optimizer):
                         if not bucket.registered[i]:
                             self._register_state(bucket, i)
                     bucket.all_registered = all(bucket.registered)
+            if self.comm is not None and any(present):
+                self.comm.all_gather(bucket.flat_param, bucket.flat_param_shard)
         self._finite_versions = None
         return loss
 
@@ -329,6 +367,35 @@ class ZeroAdamW(Optimizer):
         bucket.all_registered = False
 
     # ---- state dicts -------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The torch.optim.AdamW format. Across processes this is a collective
+        (every rank calls it, and every rank gets the whole dict)."""
+        if self.comm is None:
+            return super().state_dict()
+        self.comm.agree("ZeroAdamW.state_dict", [len(b.params) for b in self._buckets])
+        packed = super().state_dict()
+        position = {id(p): i for i, p in
+                    enumerate(p for group in self.param_groups for p in group["params"])}
+        state = {}
+        for bucket in self._buckets:
+            shards = [("exp_avg", bucket.flat_exp_avg), ("exp_avg_sq", bucket.flat_exp_avg_sq)]
+            if bucket.master_buffer is not None:
+                shards.append(("master_param", bucket.flat_master))
+            full = {}
+            for name, shard in shards:
+                full[name] = torch.empty(bucket.layout.padded_numel, dtype=torch.float32)
+                self.comm.all_gather(full[name], shard)
+            for i, p in enumerate(bucket.params):
+                if not bucket.registered[i]:
+                    continue
+                slot = bucket.layout.slots[i]
+                entry = {"step": bucket.steps[i].clone()}
+                for name, flat in full.items():
+                    entry[name] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+                state[position[id(p)]] = entry
+        packed["state"] = state
+        return packed
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a torch.optim.AdamW-format state dict (from torch or from rlhfz).
@@ -361,7 +428,10 @@ class ZeroAdamW(Optimizer):
                                  f"optimizer")
             self._check_state_entry(key, entry, index_to_param[key])
 
-        # All checked: now write.
+        if self.comm is not None:
+            self.comm.agree("ZeroAdamW.load_state_dict", [len(b.params) for b in self._buckets])
+        # All checked: now write. Each rank takes its shard's part of every
+        # full tensor, so a dict saved at any world size loads at this one.
         for saved, group in zip(saved_groups, self.param_groups):
             for k, v in saved.items():
                 if k not in ("params", "param_names"):
@@ -375,16 +445,16 @@ class ZeroAdamW(Optimizer):
                     bucket.exp_avg_sq_views[i].zero_()
                     bucket.steps[i] = 0.0
                     if bucket.master_views is not None:
-                        bucket.master_views[i].copy_(bucket.param_views[i])
+                        bucket.master_views[i].copy_(bucket.local_part(i, bucket.param_views[i]))
                     self._unregister_state(bucket, i)
                     continue
-                bucket.exp_avg_views[i].copy_(entry["exp_avg"])
-                bucket.exp_avg_sq_views[i].copy_(entry["exp_avg_sq"])
+                bucket.exp_avg_views[i].copy_(bucket.local_part(i, entry["exp_avg"]))
+                bucket.exp_avg_sq_views[i].copy_(bucket.local_part(i, entry["exp_avg_sq"]))
                 bucket.steps[i] = float(entry["step"])
                 if bucket.master_views is not None:
                     master = entry.get("master_param")
-                    bucket.master_views[i].copy_(master if master is not None
-                                                 else bucket.param_views[i])
+                    bucket.master_views[i].copy_(bucket.local_part(
+                        i, master if master is not None else bucket.param_views[i]))
                 self._register_state(bucket, i)
         self._finite_versions = None
 

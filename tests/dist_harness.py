@@ -1,0 +1,73 @@
+"""Runs a function on N gloo ranks in spawned processes, with timeouts.
+
+`run_ranks(worker, world_size, *args)` returns each rank's result, in rank
+order, or raises with the failing ranks' tracebacks. Workers live in
+dist_workers.py so that spawned processes can import them.
+"""
+import datetime
+import io
+import os
+import queue as queue_module
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+COLLECTIVE_TIMEOUT_S = 60
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(worker, rank, world_size, port, results, args):
+    import torch.distributed as dist
+    os.environ.setdefault("RLHFZ_COLLECTIVE_TIMEOUT", "20")
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        # Bytes, not tensors: a tensor sent through the queue is a shared-memory
+        # handle that dies with this process.
+        blob = io.BytesIO()
+        import torch
+        torch.save(worker(rank, world_size, *args), blob)
+        results.put((rank, "ok", blob.getvalue()))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(worker, world_size, *args, timeout=180):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(worker, rank, world_size, port, results, args))
+             for rank in range(world_size)]
+    for p in procs:
+        p.start()
+    outcomes = {}
+    try:
+        for _ in range(world_size):
+            rank, status, value = results.get(timeout=timeout)
+            outcomes[rank] = (status, value)
+    except queue_module.Empty:
+        pass
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    missing = [r for r in range(world_size) if r not in outcomes]
+    errors = {r: v for r, (s, v) in outcomes.items() if s == "error"}
+    if missing or errors:
+        details = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+        raise AssertionError(f"world {world_size}: ranks {missing} gave no result within "
+                             f"{timeout} s; failures:\n{details}")
+    import torch
+    return [torch.load(io.BytesIO(outcomes[r][1]), weights_only=False) for r in range(world_size)]

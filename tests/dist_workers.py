@@ -1,0 +1,100 @@
+"""Per-rank bodies of the multi-process tests (importable by spawned ranks)."""
+import torch
+import torch.distributed as dist
+
+import rlhfz
+
+GLOBAL_BATCH = 12          # divides evenly by 1, 2, 3 and 4 ranks
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    # odd sizes, so shard boundaries fall inside params
+    return torch.nn.Sequential(torch.nn.Linear(37, 129), torch.nn.Tanh(),
+                               torch.nn.Linear(129, 61), torch.nn.Tanh(),
+                               torch.nn.Linear(61, 7))
+
+
+def groups(model):
+    params = list(model.parameters())
+    return [{"params": params[:2], "lr": 2e-3, "weight_decay": 0.1},
+            {"params": params[2:], "weight_decay": 0.0}]
+
+
+def batches(steps, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(GLOBAL_BATCH, 37, generator=gen),
+             torch.randn(GLOBAL_BATCH, 7, generator=gen)) for _ in range(steps)]
+
+
+def train(model, opt, data, rank=0, world_size=1, clip=None):
+    """Each rank takes its slice of every global batch; the mean over ranks
+    of the per-rank mean losses is the global mean."""
+    per_rank = GLOBAL_BATCH // world_size
+    losses = []
+    for x, y in data:
+        xs, ys = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(xs), ys)
+        loss.backward()
+        if clip is not None:
+            opt.clip_grad_norm_(clip)
+        opt.step()
+        global_loss = loss.detach().clone()
+        if world_size > 1:
+            dist.all_reduce(global_loss)
+            global_loss /= world_size
+        losses.append(global_loss.item())
+    return losses
+
+
+def stage1_parity(rank, world_size, steps, clip):
+    model = make_model()
+    opt = rlhfz.ZeroAdamW(groups(model), lr=1e-3, stage=1)
+    losses = train(model, opt, batches(steps), rank, world_size, clip=clip)
+    report = opt.memory_report()
+    return {"losses": losses, "params": [p.detach().clone() for p in model.parameters()],
+            "report": report, "numel": sum(p.numel() for p in model.parameters()),
+            "buckets": len(opt._buckets), "state_dict": opt.state_dict()}
+
+
+def save_then_continue(rank, world_size, path, steps_before, steps_after):
+    model = make_model()
+    opt = rlhfz.ZeroAdamW(groups(model), lr=1e-3, stage=1)
+    data = batches(steps_before + steps_after)
+    train(model, opt, data[:steps_before], rank, world_size)
+    sd = opt.state_dict()
+    if rank == 0:
+        torch.save({"model": model.state_dict(), "optim": sd}, path)
+    dist.barrier()
+    train(model, opt, data[steps_before:], rank, world_size)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def load_then_continue(rank, world_size, path, steps_before, steps_after):
+    saved = torch.load(path, weights_only=True)
+    model = make_model(seed=123)
+    model.load_state_dict(saved["model"])
+    opt = rlhfz.ZeroAdamW(groups(model), lr=0.5, stage=1)
+    opt.load_state_dict(saved["optim"])
+    data = batches(steps_before + steps_after)
+    train(model, opt, data[steps_before:], rank, world_size)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def mismatched_state_dict_call(rank, world_size):
+    """Rank 0 asks for a state dict while the others step: an error, not a hang."""
+    import os
+    os.environ["RLHFZ_COLLECTIVE_TIMEOUT"] = "5"
+    from rlhfz.comm import CollectiveMismatchError
+    model = make_model()
+    opt = rlhfz.ZeroAdamW(groups(model), lr=1e-3, stage=1)
+    try:
+        if rank == 0:
+            opt.state_dict()
+        else:
+            model(torch.randn(2, 37)).sum().backward()
+            opt.step()
+    except CollectiveMismatchError as error:
+        return str(error)
+    return None

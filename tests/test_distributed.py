@@ -1,0 +1,80 @@
+"""Sharding across processes: gloo ranks, world sizes 1 to 4, against one
+process of torch.optim.AdamW on the same global batches."""
+import pytest
+import torch
+
+import dist_workers as workers
+from dist_harness import run_ranks
+
+STEPS = 50
+
+
+def _reference(steps, clip=None):
+    model = workers.make_model()
+    opt = torch.optim.AdamW(workers.groups(model), lr=1e-3)
+    data = workers.batches(steps)
+    losses = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        losses.append(loss.item())
+    return losses, [p.detach() for p in model.parameters()], opt.state_dict()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_stage1_matches_single_process_adamw(world_size):
+    ref_losses, ref_params, ref_sd = _reference(STEPS, clip=1.0)
+    results = run_ranks(workers.stage1_parity, world_size, STEPS, 1.0)
+    for rank, result in enumerate(results):
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses),
+                                   rtol=1e-5, atol=0)
+        for a, b in zip(result["params"], ref_params):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        # the consolidated state dict is torch's, on every rank
+        sd = result["state_dict"]
+        assert sorted(sd["state"]) == sorted(ref_sd["state"])
+        for key, entry in ref_sd["state"].items():
+            for name in ("exp_avg", "exp_avg_sq"):
+                # the first moment cancels where grads change sign: scale atol
+                # to the tensor's magnitude
+                atol = 1e-6 * entry[name].abs().max().item()
+                torch.testing.assert_close(sd["state"][key][name], entry[name],
+                                           rtol=1e-5, atol=atol)
+            assert sd["state"][key]["step"].item() == entry["step"].item()
+    # params are identical on every rank (all-gathered after each step)
+    for result in results[1:]:
+        for a, b in zip(result["params"], results[0]["params"]):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_stage1_shards_optimizer_state(world_size):
+    results = run_ranks(workers.stage1_parity, world_size, 2, None)
+    numel = results[0]["numel"]
+    total = 8 * numel                          # exp_avg + exp_avg_sq, fp32, unsharded
+    pad = 64                                   # one alignment unit, bytes
+    for result in results:
+        report = result["report"]
+        state = sum(report[k]["host"] for k in ("exp_avg", "exp_avg_sq", "master"))
+        assert state <= 1.02 * total / world_size + pad * 2 * result["buckets"], \
+            (state, total / world_size)
+
+
+def test_resume_at_other_world_sizes(tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    before, after = 25, 25
+    expected = run_ranks(workers.save_then_continue, 2, path, before, after)[0]
+    for world_size in (1, 3, 4):
+        results = run_ranks(workers.load_then_continue, world_size, path, before, after)
+        for a, b in zip(results[0], expected):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
+
+
+def test_inconsistent_collective_calls_fail_instead_of_hanging():
+    results = run_ranks(workers.mismatched_state_dict_call, 2, timeout=120)
+    assert all(message is not None for message in results), results
+    assert any("state_dict" in message for message in results)
