@@ -38,7 +38,7 @@ class Bucket:
     """The params of one (param group, dtype), laid out back to back."""
 
     def __init__(self, params: list[torch.Tensor], group_index: int, dtype: torch.dtype,
-                 rank: int = 0, world_size: int = 1):
+                 rank: int = 0, world_size: int = 1, full_grads: bool = True):
         self.params = params
         self.group_index = group_index
         self.dtype = dtype
@@ -54,7 +54,9 @@ class Bucket:
         # (out of memory) leaves the model as it was. Params and grads are
         # whole; master, moments and the reduced grad cover this rank's shard.
         self.param_buffer = _C.Buffer(n * itemsize)
-        self.grad_buffer = _C.Buffer(n * itemsize)
+        # Stage 2 keeps no full-size grads: the reducer stages them briefly.
+        self.full_grads = full_grads
+        self.grad_buffer = _C.Buffer(n * itemsize) if full_grads else None
         self.grad_shard_buffer = _C.Buffer(shard * itemsize) if world_size > 1 else None
         self.master_buffer = None if dtype == torch.float32 else _C.Buffer(shard * 4)
         self.exp_avg_buffer = _C.Buffer(shard * 4)
@@ -62,7 +64,7 @@ class Bucket:
 
         # Kernel-facing views of whole buckets and shards: passed to _C without DLPack.
         self.param_kview = self.param_buffer.view(self.dtype_name)
-        self.grad_kview = self.grad_buffer.view(self.dtype_name)
+        self.grad_kview = self.grad_buffer.view(self.dtype_name) if full_grads else None
         self.grad_shard_kview = (self.grad_shard_buffer.view(self.dtype_name)
                                  if self.grad_shard_buffer else self.grad_kview)
         self.master_kview = self._master_view(0, shard)
@@ -75,14 +77,14 @@ class Bucket:
         # flat tensor share its version counter, which tells whether any grad
         # in the bucket was modified in place since a check.
         self.flat_param = torch.from_dlpack(self.param_kview)
-        self.flat_grad = torch.from_dlpack(self.grad_kview)
+        self.flat_grad = torch.from_dlpack(self.grad_kview) if full_grads else None
         self.flat_grad_shard = torch.from_dlpack(self.grad_shard_kview)
         self.flat_param_shard = torch.from_dlpack(self.param_shard_kview)
         self.flat_master = torch.from_dlpack(self.master_kview)
         self.flat_exp_avg = torch.from_dlpack(self.exp_avg_kview)
         self.flat_exp_avg_sq = torch.from_dlpack(self.exp_avg_sq_kview)
         self.param_views = self._views(self.flat_param)
-        self.grad_views = self._views(self.flat_grad)
+        self.grad_views = self._views(self.flat_grad) if full_grads else None
         # Each param's part of this rank's shard, in shard coordinates (empty
         # ranges for params wholly on other ranks). With one rank, the state
         # views have the params' shapes, as torch.optim.AdamW's do.
@@ -98,6 +100,16 @@ class Bucket:
         self.registered = [False] * len(params)
         self.all_registered = False   # lets a step skip the per-param check
         self._hook_handles = []
+        # Stage 2 (see reducer.py): where grads go, and this backward's progress.
+        self.grad_sink = None
+        self.index = 0
+        self.expected = sum(1 for p in params if p.requires_grad)
+        self.arrived = [False] * len(params)
+        self.accumulated = False
+        self.generation = 0
+        self.staged = None
+        self.arrived_now = 0
+        self.launched = False
 
     def _master_view(self, lo: int, n: int):
         """fp32 master over shard elements [lo, lo + n): its own buffer for
@@ -134,11 +146,12 @@ class Bucket:
     def attach(self) -> None:
         """Copy each param's values in, and make param.data a view of the bucket."""
         with torch.no_grad():
-            for p, view, grad_view in zip(self.params, self.param_views, self.grad_views):
+            grad_views = self.grad_views or [None] * len(self.params)
+            for p, view, grad_view in zip(self.params, self.param_views, grad_views):
                 view.copy_(p.detach())
                 grad = p.grad
                 p.data = view
-                if grad is not None:
+                if grad is not None and grad_view is not None:
                     grad_view.copy_(grad)
                     p.grad = grad_view
         if self.master_buffer is not None:
@@ -231,6 +244,10 @@ class Bucket:
                 self.grad_shard_kview_range(lo, hi),
                 param_out)
 
+    def grad_version(self) -> int:
+        """Changes whenever the grads this step would use change."""
+        return self.flat_grad._version if self.full_grads else self.generation
+
     def grad_shard_kview_range(self, lo: int, hi: int):
         if lo == 0 and hi == self.layout.shard_numel:
             return self.grad_shard_kview
@@ -244,7 +261,7 @@ class Bucket:
         shard_grads = self.grad_shard_buffer.nbytes if self.grad_shard_buffer else 0
         return {
             "params": self.param_buffer.nbytes,
-            "grads": self.grad_buffer.nbytes + shard_grads,
+            "grads": (self.grad_buffer.nbytes if self.grad_buffer else 0) + shard_grads,
             "master": self.master_buffer.nbytes if self.master_buffer is not None else 0,
             "exp_avg": self.exp_avg_buffer.nbytes,
             "exp_avg_sq": self.exp_avg_sq_buffer.nbytes,
@@ -254,6 +271,10 @@ class Bucket:
 def _make_grad_hook(bucket_ref, index):
     def hook(param):
         bucket = bucket_ref()
-        if bucket is not None and param.grad is not bucket.grad_views[index]:
+        if bucket is None:
+            return
+        if bucket.grad_sink is not None:
+            bucket.grad_sink(bucket, index, param)
+        elif param.grad is not bucket.grad_views[index]:
             bucket.adopt_grad(index)
     return hook

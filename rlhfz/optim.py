@@ -9,6 +9,7 @@ into torch.optim.AdamW and back.
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from typing import Any, Iterable
 
@@ -18,8 +19,15 @@ from torch.optim import Optimizer
 from . import _C
 from .buckets import DTYPE_NAMES, Bucket
 from .comm import communicator_for
+from .reducer import GradReducer
 
 _TIERS = ("host",)
+
+
+def _bucket_bytes() -> int:
+    """Stage 2 splits each group into buckets of about this many bytes, so
+    that reduction overlaps backward and staging memory stays small."""
+    return int(os.environ.get("RLHFZ_BUCKET_BYTES", 32 << 20))
 _KINDS = ("params", "grads", "master", "exp_avg", "exp_avg_sq")
 
 
@@ -106,10 +114,10 @@ class ZeroAdamW(Optimizer):
         self.comm = communicator_for(process_group)
         self.rank = self.comm.rank if self.comm else 0
         self.world_size = self.comm.world_size if self.comm else 1
-        if self.world_size > 1 and stage != 1:
+        if self.world_size > 1 and stage in (0, 3):
             raise NotImplementedError(
-                f"across processes this version shards stage 1 (optimizer states); "
-                f"stage={stage} with {self.world_size} ranks is not available yet")
+                f"across processes this version shards stages 1 and 2; stage={stage} with "
+                f"{self.world_size} ranks is not available yet")
 
         self.stage = stage
         self.module = module
@@ -121,6 +129,8 @@ class ZeroAdamW(Optimizer):
         self.param_persistence_threshold = param_persistence_threshold
         self.skipped_steps = 0
         self._buckets: list[Bucket] = []
+        self.reducer = (GradReducer(self._buckets, self.comm)
+                        if stage == 2 and self.world_size > 1 else None)
         self._finite_versions: tuple[int, ...] | None = None
 
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
@@ -156,9 +166,9 @@ class ZeroAdamW(Optimizer):
         buckets = []
         for dtype in DTYPE_NAMES:
             members = [p for p in tensors if p.dtype == dtype]
-            if members:
-                buckets.append(Bucket(members, group_index, dtype, self.rank,
-                                      self.world_size))
+            for chunk in self._bucket_chunks(members):
+                buckets.append(Bucket(chunk, group_index, dtype, self.rank, self.world_size,
+                                      full_grads=self.reducer is None))
         group["params"] = params
         super().add_param_group(group)
         param_group.clear()
@@ -166,7 +176,28 @@ class ZeroAdamW(Optimizer):
         self.param_groups[-1] = param_group
         for bucket in buckets:
             bucket.attach()
-        self._buckets.extend(buckets)
+            bucket.index = len(self._buckets)
+            self._buckets.append(bucket)
+            if self.reducer is not None:
+                bucket.grad_sink = self.reducer.on_grad
+        if self.reducer is not None:
+            self.reducer.reserve()
+
+    def _bucket_chunks(self, members: list) -> list[list]:
+        """One bucket per dtype, or under stage 2, runs of about _bucket_bytes()."""
+        if self.reducer is None or not members:
+            return [members] if members else []
+        cap = _bucket_bytes()
+        chunks, current, size = [], [], 0
+        for p in members:
+            nbytes = p.numel() * p.element_size()
+            if current and size + nbytes > cap:
+                chunks.append(current)
+                current, size = [], 0
+            current.append(p)
+            size += nbytes
+        chunks.append(current)
+        return chunks
 
     def _check_params(self, tensors: list) -> None:
         seen = set()
@@ -196,19 +227,29 @@ class ZeroAdamW(Optimizer):
     # ---- gradients ---------------------------------------------------------------
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._finite_versions = None
+        if self.reducer is not None:
+            # Stage 2 holds no full grads: the shards start over.
+            self.reducer.zero()
+            for bucket in self._buckets:
+                for p in bucket.params:
+                    p.grad = None
+            return
         for bucket in self._buckets:
             bucket.zero_grads(set_to_none)
-        self._finite_versions = None
 
     def _grad_versions(self) -> tuple[int, ...]:
-        return tuple(bucket.flat_grad._version for bucket in self._buckets)
+        return tuple(bucket.grad_version() for bucket in self._buckets)
 
     def _nonfinite_params(self, plan) -> list[str]:
         """Names the params whose grads hold NaN or Inf (the slow path, on failure)."""
         bad = []
         for bucket, present, _ in plan:
             for i, has_grad in enumerate(present):
-                if has_grad and not math.isfinite(_C.sumsq(bucket.grad_views[i])):
+                a, b = bucket.local[i]
+                grad = (bucket.grad_views[i] if self.comm is None
+                        else bucket.flat_grad_shard[a:b])
+                if has_grad and not math.isfinite(_C.sumsq(grad)):
                     p = bucket.params[i]
                     group = self.param_groups[bucket.group_index]["params"]
                     position = next(j for j, q in enumerate(group) if q is p)
@@ -236,10 +277,15 @@ class ZeroAdamW(Optimizer):
     def _plan(self, call: str = "step"):
         """(bucket, which params have grads, kernel ranges in shard elements)
         for every bucket, with grads reduced across ranks."""
-        presence = [bucket.collect_grads() for bucket in self._buckets]
+        if self.reducer is not None:
+            self.reducer.finish()
+            presence = [list(bucket.arrived) for bucket in self._buckets]
+        else:
+            presence = [bucket.collect_grads() for bucket in self._buckets]
         if self.comm is not None:
             presence = self._agree_presence(presence, call)
-            self._reduce_grads(presence)
+            if self.reducer is None:
+                self._reduce_grads(presence)
         plan = []
         for bucket, present in zip(self._buckets, presence):
             ranges = []
@@ -262,7 +308,7 @@ class ZeroAdamW(Optimizer):
             agreed = [bool(v) for v in mask[i:i + len(present)].tolist()]
             i += len(present)
             for index, (mine, anyone) in enumerate(zip(present, agreed)):
-                if anyone and not mine:
+                if anyone and not mine and bucket.full_grads:
                     bucket.grad_views[index].zero_()
             merged.append(agreed)
         return merged
@@ -495,6 +541,8 @@ class ZeroAdamW(Optimizer):
         for bucket in self._buckets:
             for kind, nbytes in bucket.nbytes().items():
                 report[kind]["host"] += nbytes
+        if self.reducer is not None:
+            report["grads"]["host"] += self.reducer.nbytes()
         return report
 
     def placement(self) -> dict[str, str]:

@@ -4,7 +4,7 @@ import torch.distributed as dist
 
 import rlhfz
 
-GLOBAL_BATCH = 12          # divides evenly by 1, 2, 3 and 4 ranks
+GLOBAL_BATCH = 24          # divides evenly by 1, 2, 3 and 4 ranks, times 2 micro-batches
 
 
 def make_model(seed=0):
@@ -27,16 +27,20 @@ def batches(steps, seed=1):
              torch.randn(GLOBAL_BATCH, 7, generator=gen)) for _ in range(steps)]
 
 
-def train(model, opt, data, rank=0, world_size=1, clip=None):
+def train(model, opt, data, rank=0, world_size=1, clip=None, micro_batches=1):
     """Each rank takes its slice of every global batch; the mean over ranks
-    of the per-rank mean losses is the global mean."""
+    of the per-rank mean losses is the global mean. With micro-batches, the
+    slice is split further and the grads accumulate."""
     per_rank = GLOBAL_BATCH // world_size
     losses = []
     for x, y in data:
         xs, ys = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
         opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(xs), ys)
-        loss.backward()
+        loss = 0.0
+        for xm, ym in zip(xs.chunk(micro_batches), ys.chunk(micro_batches)):
+            part = torch.nn.functional.mse_loss(model(xm), ym) / micro_batches
+            part.backward()
+            loss = loss + part.detach()
         if clip is not None:
             opt.clip_grad_norm_(clip)
         opt.step()
@@ -48,14 +52,21 @@ def train(model, opt, data, rank=0, world_size=1, clip=None):
     return losses
 
 
-def stage1_parity(rank, world_size, steps, clip):
+def stage_parity(rank, world_size, steps, clip, stage=1, micro_batches=1, bucket_bytes=None):
+    import os
+    if bucket_bytes is not None:
+        os.environ["RLHFZ_BUCKET_BYTES"] = str(bucket_bytes)
     model = make_model()
-    opt = rlhfz.ZeroAdamW(groups(model), lr=1e-3, stage=1)
-    losses = train(model, opt, batches(steps), rank, world_size, clip=clip)
+    opt = rlhfz.ZeroAdamW(groups(model), lr=1e-3, stage=stage)
+    losses = train(model, opt, batches(steps), rank, world_size, clip=clip,
+                   micro_batches=micro_batches)
     report = opt.memory_report()
     return {"losses": losses, "params": [p.detach().clone() for p in model.parameters()],
             "report": report, "numel": sum(p.numel() for p in model.parameters()),
-            "buckets": len(opt._buckets), "state_dict": opt.state_dict()}
+            "buckets": len(opt._buckets), "state_dict": opt.state_dict(),
+            "shard_grad_bytes": sum(b.flat_grad_shard.numel() * 4 for b in opt._buckets),
+            "max_bucket_bytes": max(b.layout.padded_numel * 4 for b in opt._buckets),
+            "max_shard_bytes": max(b.layout.shard_numel * 4 for b in opt._buckets)}
 
 
 def save_then_continue(rank, world_size, path, steps_before, steps_after):

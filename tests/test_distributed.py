@@ -25,10 +25,16 @@ def _reference(steps, clip=None):
     return losses, [p.detach() for p in model.parameters()], opt.state_dict()
 
 
+@pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_stage1_matches_single_process_adamw(world_size):
+def test_stages_match_single_process_adamw(world_size, stage):
+    """50 steps; stage 2 with small buckets (several per group, so reduction
+    order and overlap are exercised) and two micro-batches per step."""
     ref_losses, ref_params, ref_sd = _reference(STEPS, clip=1.0)
-    results = run_ranks(workers.stage1_parity, world_size, STEPS, 1.0)
+    if stage == 1:
+        results = run_ranks(workers.stage_parity, world_size, STEPS, 1.0, 1)
+    else:
+        results = run_ranks(workers.stage_parity, world_size, STEPS, 1.0, 2, 2, 16 << 10)
     for rank, result in enumerate(results):
         torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses),
                                    rtol=1e-5, atol=0)
@@ -53,7 +59,7 @@ def test_stage1_matches_single_process_adamw(world_size):
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_stage1_shards_optimizer_state(world_size):
-    results = run_ranks(workers.stage1_parity, world_size, 2, None)
+    results = run_ranks(workers.stage_parity, world_size, 2, None)
     numel = results[0]["numel"]
     total = 8 * numel                          # exp_avg + exp_avg_sq, fp32, unsharded
     pad = 64                                   # one alignment unit, bytes
@@ -78,3 +84,15 @@ def test_inconsistent_collective_calls_fail_instead_of_hanging():
     results = run_ranks(workers.mismatched_state_dict_call, 2, timeout=120)
     assert all(message is not None for message in results), results
     assert any("state_dict" in message for message in results)
+
+
+def test_stage2_holds_no_full_grads():
+    """Stage 2 keeps grad shards, two staging buckets and one scratch shard:
+    never the model's full grads."""
+    results = run_ranks(workers.stage_parity, 2, 2, None, 2, 1, 16 << 10)
+    for result in results:
+        grads = result["report"]["grads"]["host"]
+        expected = (result["shard_grad_bytes"] + 2 * result["max_bucket_bytes"]
+                    + result["max_shard_bytes"])
+        assert grads == expected, (grads, expected)
+        assert result["shard_grad_bytes"] <= 1.02 * 4 * result["numel"] / 2 + 64 * result["buckets"]

@@ -1,0 +1,172 @@
+"""Stage 2: grads are reduce-scattered while backward is still running.
+
+A post-accumulate-grad hook copies each param's grad into one of two
+reusable staging buffers (per dtype) and drops the param's own grad, so no
+full-size grad outlives its bucket. When every param of a bucket has its
+grad, the bucket's reduce-scatter starts asynchronously, overlapping the rest
+of backward, and leaves the averaged grad in the bucket's shard. Later
+micro-batches add into that shard: accumulation needs no full-size memory.
+
+Every rank must issue the same collectives in the same order, whatever order
+its grads arrive in, so buckets are launched in descending index (the order
+backward usually completes them); a bucket that completes early waits for
+those above it. At the end of backward (an autograd engine callback) the
+rest are launched, complete or not: a param without a grad contributes zeros.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _C
+from .buckets import DTYPE_NAMES, Bucket
+
+
+class GradReducer:
+    def __init__(self, buckets: list[Bucket], comm):
+        self.buckets = buckets            # the optimizer's list; it grows with add_param_group
+        self.comm = comm
+        self._staging: dict[torch.dtype, list[torch.Tensor]] = {}
+        self._staging_buffers: dict[torch.dtype, list] = {}   # the memory behind them
+        self._slot_work: dict[tuple, object] = {}
+        self._slot_owner: dict[tuple, Bucket] = {}
+        self._pending = []                # (work, tensor kept alive until it is done)
+        self._scratch: dict[torch.dtype, torch.Tensor] = {}
+        self._round_open = False
+        self._next = -1
+
+    # ---- memory -------------------------------------------------------------------
+
+    def reserve(self) -> None:
+        """Sizes the staging buffers and the accumulation scratch for the
+        largest bucket of each dtype (called when buckets are added)."""
+        for dtype in DTYPE_NAMES:
+            members = [b for b in self.buckets if b.dtype == dtype]
+            if not members:
+                continue
+            numel = max(b.layout.padded_numel for b in members)
+            shard = max(b.layout.shard_numel for b in members)
+            have = self._staging.get(dtype)
+            if have is not None and have[0].numel() >= numel and \
+                    self._scratch[dtype].numel() >= shard:
+                continue
+            self.wait_all()
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            buffers = [_C.Buffer(size * itemsize) for size in (numel, numel, shard)]
+            tensors = [torch.from_dlpack(b.view(DTYPE_NAMES[dtype])) for b in buffers]
+            self._staging_buffers[dtype] = buffers      # the smaller ones are freed
+            self._staging[dtype] = tensors[:2]
+            self._scratch[dtype] = tensors[2]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for ts in self._staging.values() for t in ts) + \
+            sum(t.numel() * t.element_size() for t in self._scratch.values())
+
+    # ---- backward -------------------------------------------------------------------
+
+    def _open_round(self) -> None:
+        if self._round_open:
+            return
+        self._round_open = True
+        self._next = len(self.buckets) - 1
+        for bucket in self.buckets:
+            bucket.staged = None
+            bucket.arrived_now = 0
+            bucket.launched = False
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+        except RuntimeError:
+            pass    # not inside backward (a grad set by hand): step() flushes
+
+    def _stage(self, bucket: Bucket) -> torch.Tensor:
+        """The staging tensor that holds this bucket's grads in this round."""
+        if bucket.staged is None:
+            slot = (bucket.dtype, bucket.index % 2)
+            owner = self._slot_owner.get(slot)
+            if owner is not None and owner is not bucket and owner.staged is not None \
+                    and not owner.launched:
+                # Grads of three buckets interleave (rare: e.g. a tied weight
+                # far from its bucket): this one gets its own staging memory
+                # rather than take a slot that still fills.
+                flat = torch.zeros(bucket.layout.padded_numel, dtype=bucket.dtype)
+                bucket.staged = (None, flat)
+                return flat
+            work = self._slot_work.pop(slot, None)
+            if work is not None:
+                work.wait()
+            flat = self._staging[bucket.dtype][slot[1]][:bucket.layout.padded_numel]
+            flat.zero_()
+            self._slot_owner[slot] = bucket
+            bucket.staged = (slot, flat)
+        return bucket.staged[1]
+
+    def on_grad(self, bucket: Bucket, index: int, param: torch.Tensor) -> None:
+        self._open_round()
+        flat = self._stage(bucket)
+        slot = bucket.layout.slots[index]
+        with torch.no_grad():
+            flat[slot.offset:slot.offset + slot.numel].view(slot.shape).add_(param.grad)
+        param.grad = None
+        bucket.arrived[index] = True
+        bucket.arrived_now += 1
+        if bucket.arrived_now == bucket.expected:
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next >= 0:
+            bucket = self.buckets[self._next]
+            if bucket.expected and bucket.arrived_now < bucket.expected:
+                return
+            self._launch(bucket)
+            self._next -= 1
+
+    def _launch(self, bucket: Bucket) -> None:
+        if bucket.launched or not bucket.expected:
+            return
+        flat = self._stage(bucket)
+        slot = bucket.staged[0]
+        bucket.launched = True
+        bucket.generation += 1
+        if not bucket.accumulated:
+            work = self.comm.reduce_scatter(bucket.flat_grad_shard, flat, async_op=True)
+            if slot is None:
+                self._pending.append((work, flat))
+            else:
+                self._slot_work[slot] = work
+            bucket.accumulated = True
+            return
+        # A later micro-batch: reduce into scratch, then add into the shard.
+        scratch = self._scratch[bucket.dtype][:bucket.layout.shard_numel]
+        self.comm.reduce_scatter(scratch, flat)
+        bucket.flat_grad_shard.add_(scratch)
+
+    def flush(self) -> None:
+        """Launches whatever backward left (in order), and waits for it all."""
+        if self._round_open:
+            while self._next >= 0:
+                self._launch(self.buckets[self._next])
+                self._next -= 1
+            self._round_open = False
+        self.wait_all()
+
+    def wait_all(self) -> None:
+        for slot in list(self._slot_work):
+            self._slot_work.pop(slot).wait()
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+
+    # ---- before a step ------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """Grads assigned by hand (not through backward) are reduced too."""
+        for bucket in self.buckets:
+            for i, p in enumerate(bucket.params):
+                if p.grad is not None:
+                    self.on_grad(bucket, i, p)
+        self.flush()
+
+    def zero(self) -> None:
+        self.flush()
+        for bucket in self.buckets:
+            bucket.arrived = [False] * len(bucket.params)
+            bucket.accumulated = False
