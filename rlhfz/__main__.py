@@ -14,7 +14,8 @@ def _cmd_info(args) -> int:
 
 def _cmd_demo(args) -> int:
     from rlhfz import demo
-    demo.run(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
+    demo.run(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+             world_size=args.world_size, stage=args.stage)
     return 0
 
 
@@ -69,12 +70,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rlhfz", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="train a small transformer with ZeroAdamW beside "
-                                       "torch.optim.AdamW")
+    demo = sub.add_parser("demo", help="train a small transformer with ZeroAdamW on gloo ranks "
+                                       "beside torch.optim.AdamW")
     demo.add_argument("--steps", type=int, default=300)
     demo.add_argument("--batch-size", type=int, default=16)
     demo.add_argument("--lr", type=float, default=3e-3)
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--world-size", type=int, default=2, help="gloo ranks (1: one process)")
+    demo.add_argument("--stage", type=int, default=2, choices=(0, 1, 2))
     demo.set_defaults(func=_cmd_demo)
 
     bench = sub.add_parser("bench", help="time one CPU AdamW step against torch's")

@@ -18,6 +18,10 @@ import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 300.0
 
+# torch 2.11+ names the flat-tensor collectives *_single; older ones do not.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 class CollectiveMismatchError(RuntimeError):
     """Ranks entered collectives inconsistently (or one never arrived)."""
@@ -45,14 +49,13 @@ class Communicator:
     def reduce_scatter(self, shard_out: torch.Tensor, full_in: torch.Tensor,
                        async_op: bool = False):
         """shard_out = the mean over ranks of this rank's range of full_in."""
-        return dist.reduce_scatter_tensor(shard_out, full_in, op=dist.ReduceOp.AVG,
-                                          group=self.group, async_op=async_op)
+        return _reduce_scatter(shard_out, full_in, op=dist.ReduceOp.AVG, group=self.group,
+                               async_op=async_op)
 
     def all_gather(self, full_out: torch.Tensor, shard_in: torch.Tensor,
                    async_op: bool = False):
         """full_out = the ranks' shards back to back (shard_in may be a view of it)."""
-        return dist.all_gather_single(full_out, shard_in, group=self.group,
-                                      async_op=async_op)
+        return _all_gather(full_out, shard_in, group=self.group, async_op=async_op)
 
     def all_reduce_sum(self, tensor: torch.Tensor):
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)

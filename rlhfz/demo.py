@@ -7,8 +7,8 @@ parameters should agree to float32 rounding.
 """
 from __future__ import annotations
 
-import copy
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -93,13 +93,13 @@ def param_groups(model: nn.Module, weight_decay: float):
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def relative_difference(model_a: nn.Module, model_b: nn.Module) -> float:
+def relative_difference_lists(params_a, params_b) -> float:
     """||a - b|| / ||b|| over all parameters. An elementwise maximum would be
     dominated by directions the loss ignores (attention's key bias): their
     grads are rounding noise, which Adam normalizes into full-size steps."""
-    diff = sum(((a - b).double() ** 2).sum().item()
-               for a, b in zip(model_a.parameters(), model_b.parameters()))
-    norm = sum((b.double() ** 2).sum().item() for b in model_b.parameters())
+    diff = sum(((a.detach() - b.detach()).double() ** 2).sum().item()
+               for a, b in zip(params_a, params_b))
+    norm = sum((b.detach().double() ** 2).sum().item() for b in params_b)
     return math.sqrt(diff / norm)
 
 
@@ -111,59 +111,109 @@ def _format_bytes(n: int) -> str:
     return str(n)
 
 
-def run(steps: int = 300, batch_size: int = 16, lr: float = 3e-3, seed: int = 0,
-        log_every: int = 25, print_fn=print) -> dict:
-    """Train twice from the same start, with ZeroAdamW and torch.optim.AdamW."""
-    import rlhfz
-
-    torch.manual_seed(seed)
-    cfg = GPTConfig()
-    model_rlhfz = TinyGPT(cfg)
-    model_torch = copy.deepcopy(model_rlhfz)
-    nparams = sum(p.numel() for p in model_rlhfz.parameters())
-    opt_rlhfz = rlhfz.ZeroAdamW(param_groups(model_rlhfz, 0.1), lr=lr, betas=(0.9, 0.95))
-    opt_torch = torch.optim.AdamW(param_groups(model_torch, 0.1), lr=lr, betas=(0.9, 0.95))
-    sched_rlhfz = torch.optim.lr_scheduler.CosineAnnealingLR(opt_rlhfz, T_max=steps)
-    sched_torch = torch.optim.lr_scheduler.CosineAnnealingLR(opt_torch, T_max=steps)
-
-    info = rlhfz.build_info()
-    print_fn(f"rlhfz {info['version']} demo: TinyGPT {cfg.layers} layers x {cfg.dim} dims, "
-             f"{nparams:,} params, {steps} steps, batch {batch_size}x{cfg.seq_len}; "
-             f"simd={info['simd']} threads={info['threads']} cuda={info['cuda']}")
-    print_fn(f"{'step':>5}  {'loss rlhfz':>10}  {'loss torch':>10}  {'rel |dp|':>9}  "
-             f"{'opt ms rlhfz':>12}  {'opt ms torch':>12}")
+def _train(model, opt, sched, cfg, steps, batch_size, seed, rank=0, world_size=1,
+           on_step=None):
+    """Trains on `steps` global batches; each rank takes its slice. Returns
+    the global mean losses and the seconds spent in opt.step()."""
     gen = torch.Generator().manual_seed(seed + 1)
-    times = {"rlhfz": 0.0, "torch": 0.0}
-    losses = {"rlhfz": [], "torch": []}
+    per_rank = batch_size // world_size
+    losses, seconds = [], 0.0
     for step in range(1, steps + 1):
         tokens, targets = make_batch(cfg, batch_size, gen)
-        for name, model, opt, sched in (("rlhfz", model_rlhfz, opt_rlhfz, sched_rlhfz),
-                                        ("torch", model_torch, opt_torch, sched_torch)):
-            opt.zero_grad(set_to_none=True)
-            loss = model(tokens, targets)
-            loss.backward()
-            start = time.perf_counter()
-            opt.step()
-            times[name] += time.perf_counter() - start
-            sched.step()
-            losses[name].append(loss.item())
+        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        opt.zero_grad(set_to_none=True)
+        loss = model(tokens[mine], targets[mine])
+        loss.backward()
+        start = time.perf_counter()
+        opt.step()
+        seconds += time.perf_counter() - start
+        sched.step()
+        loss = loss.detach()
+        if world_size > 1:
+            torch.distributed.all_reduce(loss)
+            loss /= world_size
+        losses.append(loss.item())
+        if on_step is not None:
+            on_step(step)
+    return losses, seconds
+
+
+def _setup(seed, lr, steps, optimizer_factory):
+    torch.manual_seed(seed)
+    cfg = GPTConfig()
+    model = TinyGPT(cfg)
+    opt = optimizer_factory(param_groups(model, 0.1), lr=lr, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
+    return cfg, model, opt, sched
+
+
+def _rank_main(rank, world_size, steps, batch_size, lr, seed, stage):
+    """One rank of the sharded run (spawned by rlhfz.launch.run_ranks)."""
+    import functools
+
+    import rlhfz
+    factory = functools.partial(rlhfz.ZeroAdamW, stage=stage)
+    cfg, model, opt, sched = _setup(seed, lr, steps, factory)
+    losses, seconds = _train(model, opt, sched, cfg, steps, batch_size, seed, rank, world_size)
+    return {"losses": losses, "step_seconds": seconds / steps,
+            "memory_report": opt.memory_report(),
+            "params": [p.detach().clone() for p in model.parameters()] if rank == 0 else None}
+
+
+def _print_report(print_fn, title, report):
+    total = sum(sum(tiers.values()) for tiers in report.values())
+    print_fn(f"  {title:<12} total {_format_bytes(total):>11}   " + ", ".join(
+        f"{kind} {_format_bytes(sum(tiers.values()))}" for kind, tiers in report.items()))
+
+
+def run(steps: int = 300, batch_size: int = 16, lr: float = 3e-3, seed: int = 0,
+        log_every: int = 25, print_fn=print, world_size: int = 2, stage: int = 2) -> dict:
+    """Trains with ZeroAdamW on `world_size` gloo ranks (stage `stage`), and
+    the same global batches with torch.optim.AdamW in this process."""
+    import rlhfz
+
+    if batch_size % world_size:
+        raise ValueError(f"batch size {batch_size} does not divide over {world_size} ranks")
+    cfg, ref_model, ref_opt, ref_sched = _setup(seed, lr, steps, torch.optim.AdamW)
+    nparams = sum(p.numel() for p in ref_model.parameters())
+    info = rlhfz.build_info()
+    print_fn(f"rlhfz {info['version']} demo: TinyGPT {cfg.layers} layers x {cfg.dim} dims, "
+             f"{nparams:,} params, {steps} steps, global batch {batch_size}x{cfg.seq_len}; "
+             f"ZeroAdamW stage {stage} on {world_size} gloo rank(s) beside torch.optim.AdamW "
+             f"in one process; simd={info['simd']} threads={info['threads']}")
+    ref_losses, ref_seconds = _train(ref_model, ref_opt, ref_sched, cfg, steps, batch_size, seed)
+
+    # The unsharded figure: the same optimizer, one process.
+    _, _, single_opt, _ = _setup(seed, lr, steps, rlhfz.ZeroAdamW)
+    unsharded = single_opt.memory_report()
+    del single_opt
+
+    if world_size == 1:
+        ranks = [_rank_main(0, 1, steps, batch_size, lr, seed, stage)]
+    else:
+        from .launch import run_ranks
+        threads = max(1, rlhfz.get_num_threads() // world_size)
+        os.environ.setdefault("RLHFZ_NUM_THREADS", str(threads))   # share the cores
+        ranks = run_ranks(_rank_main, world_size, steps, batch_size, lr, seed, stage,
+                          timeout=600)
+    losses = ranks[0]["losses"]
+    print_fn(f"{'step':>5}  {'loss rlhfz':>10}  {'loss torch':>10}")
+    for step in range(1, steps + 1):
         if step % log_every == 0 or step == 1 or step == steps:
-            diff = relative_difference(model_rlhfz, model_torch)
-            print_fn(f"{step:>5}  {losses['rlhfz'][-1]:>10.4f}  {losses['torch'][-1]:>10.4f}  "
-                     f"{diff:>9.2e}  {1e3 * times['rlhfz'] / step:>12.3f}  "
-                     f"{1e3 * times['torch'] / step:>12.3f}")
-    report = opt_rlhfz.memory_report()
-    print_fn("memory report (bytes owned by ZeroAdamW, by kind and tier):")
-    for kind, tiers in report.items():
-        print_fn(f"  {kind:<11} " + ", ".join(f"{tier}: {_format_bytes(n)}"
-                                              for tier, n in tiers.items()))
-    diff = relative_difference(model_rlhfz, model_torch)
-    first, last = losses["rlhfz"][0], sum(losses["rlhfz"][-10:]) / 10
-    speedup = times["torch"] / times["rlhfz"]
+            print_fn(f"{step:>5}  {losses[step - 1]:>10.4f}  {ref_losses[step - 1]:>10.4f}")
+    step_ms = 1e3 * max(r["step_seconds"] for r in ranks)
+    print_fn(f"optimizer step: rlhfz {step_ms:.3f} ms (slowest rank, collectives included), "
+             f"torch.optim.AdamW {1e3 * ref_seconds / steps:.3f} ms (one process)")
+    print_fn("memory owned by ZeroAdamW, per rank, beside the unsharded optimizer:")
+    _print_report(print_fn, "unsharded", unsharded)
+    for rank, result in enumerate(ranks):
+        _print_report(print_fn, f"rank {rank}", result["memory_report"])
+    diff = relative_difference_lists(ranks[0]["params"], list(ref_model.parameters()))
+    first, last = losses[0], sum(losses[-10:]) / 10
     print_fn(f"loss {first:.3f} -> {last:.3f} (mean of the last 10); params differ from "
-             f"torch.optim.AdamW's by {diff:.2e} relative (L2); optimizer step "
-             f"{speedup:.2f}x torch's")
+             f"torch.optim.AdamW's by {diff:.2e} relative (L2)")
     if not (math.isfinite(last) and last < first):
         raise RuntimeError("the demo did not learn: the loss did not go down")
-    return {"losses": losses, "relative_param_diff": diff, "memory_report": report,
-            "step_seconds": {k: v / steps for k, v in times.items()}}
+    return {"losses": {"rlhfz": losses, "torch": ref_losses}, "relative_param_diff": diff,
+            "memory_report": ranks[0]["memory_report"], "unsharded_memory_report": unsharded,
+            "rank_memory_reports": [r["memory_report"] for r in ranks]}

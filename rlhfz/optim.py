@@ -24,10 +24,14 @@ from .reducer import GradReducer
 _TIERS = ("host",)
 
 
-def _bucket_bytes() -> int:
+def _bucket_bytes(total: int) -> int:
     """Stage 2 splits each group into buckets of about this many bytes, so
-    that reduction overlaps backward and staging memory stays small."""
-    return int(os.environ.get("RLHFZ_BUCKET_BYTES", 32 << 20))
+    that reduction overlaps backward and staging memory (two buckets) stays
+    small: RLHFZ_BUCKET_BYTES if set, else 32 MiB but at most an eighth of
+    the group (at least 64 KiB), so that small models save memory too."""
+    if "RLHFZ_BUCKET_BYTES" in os.environ:
+        return int(os.environ["RLHFZ_BUCKET_BYTES"])
+    return min(32 << 20, max(total // 8, 64 << 10))
 _KINDS = ("params", "grads", "master", "exp_avg", "exp_avg_sq")
 
 
@@ -184,10 +188,10 @@ class ZeroAdamW(Optimizer):
             self.reducer.reserve()
 
     def _bucket_chunks(self, members: list) -> list[list]:
-        """One bucket per dtype, or under stage 2, runs of about _bucket_bytes()."""
+        """One bucket per dtype, or under stage 2, runs of about _bucket_bytes."""
         if self.reducer is None or not members:
             return [members] if members else []
-        cap = _bucket_bytes()
+        cap = _bucket_bytes(sum(p.numel() * p.element_size() for p in members))
         chunks, current, size = [], [], 0
         for p in members:
             nbytes = p.numel() * p.element_size()

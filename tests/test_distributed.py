@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import dist_workers as workers
-from dist_harness import run_ranks
+from rlhfz.launch import run_ranks
 
 STEPS = 50
 

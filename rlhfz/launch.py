@@ -1,8 +1,10 @@
-"""Runs a function on N gloo ranks in spawned processes, with timeouts.
+"""Runs a function on N local gloo ranks in spawned processes, with timeouts.
 
 `run_ranks(worker, world_size, *args)` returns each rank's result, in rank
-order, or raises with the failing ranks' tracebacks. Workers live in
-dist_workers.py so that spawned processes can import them.
+order, or raises with the failing ranks' tracebacks. The worker must be
+importable by the spawned processes (defined at a module's top level); it is
+called as worker(rank, world_size, *args) inside an initialized gloo group.
+Used by the demo and the multi-process tests.
 """
 import datetime
 import io
@@ -67,7 +69,7 @@ def run_ranks(worker, world_size, *args, timeout=180):
     errors = {r: v for r, (s, v) in outcomes.items() if s == "error"}
     if missing or errors:
         details = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
-        raise AssertionError(f"world {world_size}: ranks {missing} gave no result within "
+        raise RuntimeError(f"world {world_size}: ranks {missing} gave no result within "
                              f"{timeout} s; failures:\n{details}")
     import torch
     return [torch.load(io.BytesIO(outcomes[r][1]), weights_only=False) for r in range(world_size)]
