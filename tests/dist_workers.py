@@ -109,3 +109,30 @@ def mismatched_state_dict_call(rank, world_size):
     except CollectiveMismatchError as error:
         return str(error)
     return None
+
+
+def ddp_with_sharding_raises(rank, world_size):
+    model = torch.nn.parallel.DistributedDataParallel(make_model())
+    try:
+        rlhfz.ZeroAdamW(model, stage=1)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def bf16_parity(rank, world_size, steps, stage):
+    """bf16 params and grads, fp32 master shards: the masters follow an fp32
+    AdamW given the same (bf16, averaged) grads."""
+    torch.manual_seed(0)
+    shapes = [(37, 19), (19,), (5, 3, 7), (1,)]
+    start = [torch.randn(s) for s in shapes]
+    params = [torch.nn.Parameter(t.bfloat16()) for t in start]
+    opt = rlhfz.ZeroAdamW(params, lr=1e-2, weight_decay=0.1, stage=stage)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        # every rank gets the same grads, so their average is that grad
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).bfloat16()
+        opt.step()
+        opt.zero_grad()
+    return {"params": [p.detach().clone() for p in params], "state_dict": opt.state_dict()}

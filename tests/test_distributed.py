@@ -96,3 +96,29 @@ def test_stage2_holds_no_full_grads():
                     + result["max_shard_bytes"])
         assert grads == expected, (grads, expected)
         assert result["shard_grad_bytes"] <= 1.02 * 4 * result["numel"] / 2 + 64 * result["buckets"]
+
+
+def test_ddp_wrapped_model_with_sharding_raises():
+    messages = run_ranks(workers.ddp_with_sharding_raises, 2)
+    assert all(m and "reduced twice" in m for m in messages), messages
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_bf16_params_with_fp32_master_shards(stage):
+    results = run_ranks(workers.bf16_parity, 2, 30, stage)
+    torch.manual_seed(0)
+    shapes = [(37, 19), (19,), (5, 3, 7), (1,)]
+    ref_params = [torch.nn.Parameter(torch.randn(s).bfloat16().float()) for s in shapes]
+    ref = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(30):
+        for q in ref_params:
+            q.grad = torch.randn(q.shape, generator=gen).bfloat16().float()
+        ref.step()
+    for result in results:
+        state = result["state_dict"]["state"]
+        for i, (p, q) in enumerate(zip(result["params"], ref_params)):
+            assert p.dtype == torch.bfloat16
+            master = state[i]["master_param"]
+            torch.testing.assert_close(master, q.detach(), rtol=1e-5, atol=1e-6)
+            assert torch.equal(p, master.bfloat16())
