@@ -35,6 +35,47 @@ def _bucket_bytes(total: int) -> int:
 _KINDS = ("params", "grads", "master", "exp_avg", "exp_avg_sq")
 
 
+SHARDED_FORMAT = "rlhfz.sharded_optimizer_state.v1"
+
+
+def consolidate_sharded(shards: list[dict[str, Any]]) -> dict[str, Any]:
+    """The torch.optim.AdamW state dict that a full set of per-rank
+    sharded_state_dict()s describe, whatever world size wrote them."""
+    if not shards or any(not isinstance(s, dict) or s.get("format") != SHARDED_FORMAT
+                         for s in shards):
+        raise ValueError(f"expected a list of {SHARDED_FORMAT} dicts, one per rank")
+    world_size = shards[0]["world_size"]
+    ranks = sorted(s["rank"] for s in shards)
+    if ranks != list(range(world_size)) or any(s["world_size"] != world_size for s in shards):
+        raise ValueError(f"a sharded state needs every rank's part exactly once: got ranks "
+                         f"{ranks} of a world of {world_size}")
+    shards = sorted(shards, key=lambda s: s["rank"])
+    nbuckets = len(shards[0]["buckets"])
+    if any(len(s["buckets"]) != nbuckets for s in shards):
+        raise ValueError("the ranks' parts list different numbers of buckets")
+    state = {}
+    for b in range(nbuckets):
+        parts = [s["buckets"][b] for s in shards]
+        meta = parts[0]
+        full = {}
+        for name in ("exp_avg", "exp_avg_sq", "master_param"):
+            if meta[name] is None:
+                continue
+            full[name] = torch.cat([part[name] for part in parts])
+        for i, (index, shape, offset) in enumerate(zip(meta["params"], meta["shapes"],
+                                                       meta["offsets"])):
+            if not meta["registered"][i]:
+                continue
+            numel = math.prod(shape)
+            entry = {"step": meta["steps"][i].clone()}
+            for name, flat in full.items():
+                if offset + numel > flat.numel():
+                    raise ValueError(f"bucket {b}: param {index} lies past the saved shards")
+                entry[name] = flat[offset:offset + numel].view(shape).clone()
+            state[index] = entry
+    return {"state": state, "param_groups": shards[0]["param_groups"]}
+
+
 class NonFiniteGradError(FloatingPointError):
     """A gradient held NaN or Inf under nonfinite='raise'; no state was changed."""
 
@@ -446,6 +487,45 @@ class ZeroAdamW(Optimizer):
                 state[position[id(p)]] = entry
         packed["state"] = state
         return packed
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's part of the optimizer state, with where each param's
+        elements sit, for one file per rank. Not a collective. Any world size
+        reads a full set back with load_sharded_state_dict."""
+        packed = super().state_dict() if self.comm is None else None
+        groups = packed["param_groups"] if packed else self._packed_groups()
+        position = {id(p): i for i, p in
+                    enumerate(p for group in self.param_groups for p in group["params"])}
+        buckets = []
+        for bucket in self._buckets:
+            buckets.append({
+                "params": [position[id(p)] for p in bucket.params],
+                "shapes": [tuple(s.shape) for s in bucket.layout.slots],
+                "offsets": [s.offset for s in bucket.layout.slots],
+                "registered": list(bucket.registered),
+                "shard_start": bucket.shard_start,
+                "steps": bucket.steps.clone(),
+                "exp_avg": bucket.flat_exp_avg.clone(),
+                "exp_avg_sq": bucket.flat_exp_avg_sq.clone(),
+                "master_param": (bucket.flat_master.clone() if bucket.master_buffer is not None
+                                 else None),
+            })
+        return {"format": SHARDED_FORMAT, "rank": self.rank, "world_size": self.world_size,
+                "param_groups": groups, "buckets": buckets}
+
+    def _packed_groups(self) -> list[dict]:
+        groups, start = [], 0
+        for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = list(range(start, start + len(group["params"])))
+            start += len(group["params"])
+            groups.append(packed)
+        return groups
+
+    def load_sharded_state_dict(self, shards: list[dict[str, Any]]) -> None:
+        """Loads the sharded_state_dict() of every rank of a run of any world
+        size (a list, in any order); a collective across processes."""
+        self.load_state_dict(consolidate_sharded(shards))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a torch.optim.AdamW-format state dict (from torch or from rlhfz).

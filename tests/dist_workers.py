@@ -136,3 +136,31 @@ def bf16_parity(rank, world_size, steps, stage):
         opt.step()
         opt.zero_grad()
     return {"params": [p.detach().clone() for p in params], "state_dict": opt.state_dict()}
+
+
+def save_sharded_then_continue(rank, world_size, directory, steps_before, steps_after, stage):
+    model = make_model()
+    opt = rlhfz.ZeroAdamW(groups(model), lr=1e-3, stage=stage)
+    data = batches(steps_before + steps_after)
+    train(model, opt, data[:steps_before], rank, world_size)
+    torch.save(opt.sharded_state_dict(), f"{directory}/optim-rank{rank}.pt")
+    if rank == 0:
+        torch.save(model.state_dict(), f"{directory}/model.pt")
+    dist.barrier()
+    train(model, opt, data[steps_before:], rank, world_size)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def load_sharded_then_continue(rank, world_size, directory, saved_world, steps_before,
+                               steps_after, stage):
+    import glob
+    model = make_model(seed=123)
+    model.load_state_dict(torch.load(f"{directory}/model.pt", weights_only=True))
+    opt = rlhfz.ZeroAdamW(groups(model), lr=0.5, stage=stage)
+    shards = [torch.load(path, weights_only=True)
+              for path in sorted(glob.glob(f"{directory}/optim-rank*.pt"))]
+    assert len(shards) == saved_world
+    opt.load_sharded_state_dict(shards)
+    data = batches(steps_before + steps_after)
+    train(model, opt, data[steps_before:], rank, world_size)
+    return [p.detach().clone() for p in model.parameters()]

@@ -122,3 +122,37 @@ def test_bf16_params_with_fp32_master_shards(stage):
             master = state[i]["master_param"]
             torch.testing.assert_close(master, q.detach(), rtol=1e-5, atol=1e-6)
             assert torch.equal(p, master.bfloat16())
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_sharded_save_then_load_at_other_world_sizes(tmp_path, stage):
+    """One file per rank at world size 2; loaded at 1, 3 and 4 (resharded),
+    continuing on the same global batches as the uninterrupted run."""
+    before, after = 20, 15
+    expected = run_ranks(workers.save_sharded_then_continue, 2, str(tmp_path), before, after,
+                         stage)[0]
+    for world_size in (1, 3, 4):
+        results = run_ranks(workers.load_sharded_then_continue, world_size, str(tmp_path), 2,
+                            before, after, stage if world_size > 1 else 0)
+        for a, b in zip(results[0], expected):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
+
+
+def test_incomplete_sharded_state_is_refused():
+    import rlhfz
+    from rlhfz.optim import consolidate_sharded
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = rlhfz.ZeroAdamW([p], lr=0.1)
+    p.grad = torch.ones(3)
+    opt.step()
+    part = opt.sharded_state_dict()
+    other = dict(part, rank=1, world_size=2)
+    with pytest.raises(ValueError, match="every rank"):
+        consolidate_sharded([dict(part, world_size=2)])
+    with pytest.raises(ValueError, match="every rank"):
+        consolidate_sharded([other, other])
+    with pytest.raises(ValueError, match="expected a list"):
+        consolidate_sharded([{"state": {}}])
+    before = opt.state_dict()["state"][0]["exp_avg"].clone()
+    opt.load_sharded_state_dict([part])
+    assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], before)
