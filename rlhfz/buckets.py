@@ -38,7 +38,8 @@ class Bucket:
     """The params of one (param group, dtype), laid out back to back."""
 
     def __init__(self, params: list[torch.Tensor], group_index: int, dtype: torch.dtype,
-                 rank: int = 0, world_size: int = 1, full_grads: bool = True):
+                 rank: int = 0, world_size: int = 1, full_grads: bool = True,
+                 reduce_dtype: torch.dtype | None = None):
         self.params = params
         self.group_index = group_index
         self.dtype = dtype
@@ -57,7 +58,16 @@ class Bucket:
         # Stage 2 keeps no full-size grads: the reducer stages them briefly.
         self.full_grads = full_grads
         self.grad_buffer = _C.Buffer(n * itemsize) if full_grads else None
-        self.grad_shard_buffer = _C.Buffer(shard * itemsize) if world_size > 1 else None
+        # Grads are averaged across ranks in reduce_dtype (fp32 for 16-bit
+        # params if asked): the shard holds them so, and under stage 1 an
+        # fp32 copy of the bucket is what gets reduced.
+        self.reduce_dtype = reduce_dtype or dtype
+        reduce_itemsize = torch.empty((), dtype=self.reduce_dtype).element_size()
+        self.grad_shard_buffer = (_C.Buffer(shard * reduce_itemsize) if world_size > 1
+                                  else None)
+        self.reduce_staging_buffer = (_C.Buffer(n * reduce_itemsize)
+                                      if world_size > 1 and full_grads
+                                      and self.reduce_dtype != dtype else None)
         self.master_buffer = None if dtype == torch.float32 else _C.Buffer(shard * 4)
         self.exp_avg_buffer = _C.Buffer(shard * 4)
         self.exp_avg_sq_buffer = _C.Buffer(shard * 4)
@@ -65,7 +75,7 @@ class Bucket:
         # Kernel-facing views of whole buckets and shards: passed to _C without DLPack.
         self.param_kview = self.param_buffer.view(self.dtype_name)
         self.grad_kview = self.grad_buffer.view(self.dtype_name) if full_grads else None
-        self.grad_shard_kview = (self.grad_shard_buffer.view(self.dtype_name)
+        self.grad_shard_kview = (self.grad_shard_buffer.view(DTYPE_NAMES[self.reduce_dtype])
                                  if self.grad_shard_buffer else self.grad_kview)
         self.master_kview = self._master_view(0, shard)
         self.param_shard_kview = self.param_buffer.view(self.dtype_name, self.shard_start,
@@ -79,6 +89,9 @@ class Bucket:
         self.flat_param = torch.from_dlpack(self.param_kview)
         self.flat_grad = torch.from_dlpack(self.grad_kview) if full_grads else None
         self.flat_grad_shard = torch.from_dlpack(self.grad_shard_kview)
+        self.flat_reduce_staging = (
+            torch.from_dlpack(self.reduce_staging_buffer.view(DTYPE_NAMES[self.reduce_dtype]))
+            if self.reduce_staging_buffer is not None else None)
         self.flat_param_shard = torch.from_dlpack(self.param_shard_kview)
         self.flat_master = torch.from_dlpack(self.master_kview)
         self.flat_exp_avg = torch.from_dlpack(self.exp_avg_kview)
@@ -252,13 +265,14 @@ class Bucket:
         if lo == 0 and hi == self.layout.shard_numel:
             return self.grad_shard_kview
         if self.grad_shard_buffer is not None:
-            return self.grad_shard_buffer.view(self.dtype_name, lo, (hi - lo,))
+            return self.grad_shard_buffer.view(DTYPE_NAMES[self.reduce_dtype], lo, (hi - lo,))
         return self.grad_buffer.view(self.dtype_name, lo, (hi - lo,))
 
     # ---- accounting -------------------------------------------------------------------
 
     def nbytes(self) -> dict[str, int]:
-        shard_grads = self.grad_shard_buffer.nbytes if self.grad_shard_buffer else 0
+        shard_grads = sum(buffer.nbytes for buffer in (self.grad_shard_buffer,
+                                                         self.reduce_staging_buffer) if buffer)
         return {
             "params": self.param_buffer.nbytes,
             "grads": (self.grad_buffer.nbytes if self.grad_buffer else 0) + shard_grads,

@@ -10,7 +10,8 @@ import datetime
 import io
 import os
 import queue as queue_module
-import socket
+import shutil
+import tempfile
 import traceback
 
 import torch.multiprocessing as mp
@@ -18,18 +19,12 @@ import torch.multiprocessing as mp
 COLLECTIVE_TIMEOUT_S = 60
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(worker, rank, world_size, port, results, args):
+def _entry(worker, rank, world_size, store_path, results, args):
     import torch.distributed as dist
-    os.environ.setdefault("RLHFZ_COLLECTIVE_TIMEOUT", "20")
+    os.environ.setdefault("RLHFZ_COLLECTIVE_TIMEOUT", str(COLLECTIVE_TIMEOUT_S))
     try:
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         # Bytes, not tensors: a tensor sent through the queue is a shared-memory
         # handle that dies with this process.
@@ -47,8 +42,10 @@ def _entry(worker, rank, world_size, port, results, args):
 def run_ranks(worker, world_size, *args, timeout=180):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(worker, rank, world_size, port, results, args))
+    # A file store: no port to pick, so none another process can take first.
+    store_dir = tempfile.mkdtemp(prefix="rlhfz-ranks-")
+    store_path = os.path.join(store_dir, "store")
+    procs = [ctx.Process(target=_entry, args=(worker, rank, world_size, store_path, results, args))
              for rank in range(world_size)]
     for p in procs:
         p.start()
@@ -65,6 +62,7 @@ def run_ranks(worker, world_size, *args, timeout=180):
             if p.is_alive():
                 p.kill()
                 p.join()
+        shutil.rmtree(store_dir, ignore_errors=True)
     missing = [r for r in range(world_size) if r not in outcomes]
     errors = {r: v for r, (s, v) in outcomes.items() if s == "error"}
     if missing or errors:

@@ -117,6 +117,9 @@ class ZeroAdamW(Optimizer):
     ``foreach`` and ``fused`` are accepted for compatibility: every rlhfz step
     is one fused kernel per bucket, whatever they say.
 
+    ``reduce_dtype=torch.float32`` averages 16-bit grads across ranks in fp32
+    (the grad shard is then fp32 too); None reduces in the params' dtype.
+
     ``nonfinite`` says what a NaN or Inf grad does: "raise" (the default)
     raises NonFiniteGradError, "skip" skips the step; both leave params and
     state untouched, which takes one read of the grads before the update
@@ -128,7 +131,7 @@ class ZeroAdamW(Optimizer):
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
                  differentiable=False, fused=None, stage=2, process_group=None, offload=None,
                  offload_ratio=1.0, pin_memory="auto", nonfinite="raise", wrap=None,
-                 param_persistence_threshold=100_000):
+                 param_persistence_threshold=100_000, reduce_dtype=None):
         _check_hparams(lr, betas, eps, weight_decay)
         _check_unsupported(dict(amsgrad=amsgrad, capturable=capturable,
                                 differentiable=differentiable, foreach=foreach, fused=fused))
@@ -144,6 +147,10 @@ class ZeroAdamW(Optimizer):
             raise ValueError(f"nonfinite must be 'raise', 'skip' or None, not {nonfinite!r}")
         if not (isinstance(param_persistence_threshold, int) and param_persistence_threshold >= 0):
             raise ValueError("param_persistence_threshold must be an int >= 0")
+        if reduce_dtype not in (None, torch.float32):
+            raise ValueError(f"reduce_dtype must be None (the params' dtype) or torch.float32, "
+                             f"not {reduce_dtype!r}")
+        self.reduce_dtype = reduce_dtype
 
         module = params if isinstance(params, torch.nn.Module) else None
         if module is not None:
@@ -213,7 +220,8 @@ class ZeroAdamW(Optimizer):
             members = [p for p in tensors if p.dtype == dtype]
             for chunk in self._bucket_chunks(members):
                 buckets.append(Bucket(chunk, group_index, dtype, self.rank, self.world_size,
-                                      full_grads=self.reducer is None))
+                                      full_grads=self.reducer is None,
+                                      reduce_dtype=self.reduce_dtype))
         group["params"] = params
         super().add_param_group(group)
         param_group.clear()
@@ -362,7 +370,11 @@ class ZeroAdamW(Optimizer):
         """Reduce-scatter (average) each bucket's grads once per backward."""
         for bucket, present in zip(self._buckets, presence):
             if any(present) and bucket.reduced_version != bucket.flat_grad._version:
-                self.comm.reduce_scatter(bucket.flat_grad_shard, bucket.flat_grad)
+                source = bucket.flat_grad
+                if bucket.flat_reduce_staging is not None:
+                    bucket.flat_reduce_staging.copy_(source)    # 16-bit grads summed in fp32
+                    source = bucket.flat_reduce_staging
+                self.comm.reduce_scatter(bucket.flat_grad_shard, source)
                 bucket.reduced_version = bucket.flat_grad._version
 
     @torch.no_grad()

@@ -1,7 +1,8 @@
 """Stage 2: grads are reduce-scattered while backward is still running.
 
 A post-accumulate-grad hook copies each param's grad into one of two
-reusable staging buffers (per dtype) and drops the param's own grad, so no
+reusable staging buffers (per reduce dtype, so 16-bit grads may be summed
+in fp32) and drops the param's own grad, so no
 full-size grad outlives its bucket. When every param of a bucket has its
 grad, the bucket's reduce-scatter starts asynchronously, overlapping the rest
 of backward, and leaves the averaged grad in the bucket's shard. Later
@@ -40,7 +41,7 @@ class GradReducer:
         """Sizes the staging buffers and the accumulation scratch for the
         largest bucket of each dtype (called when buckets are added)."""
         for dtype in DTYPE_NAMES:
-            members = [b for b in self.buckets if b.dtype == dtype]
+            members = [b for b in self.buckets if b.reduce_dtype == dtype]
             if not members:
                 continue
             numel = max(b.layout.padded_numel for b in members)
@@ -80,20 +81,20 @@ class GradReducer:
     def _stage(self, bucket: Bucket) -> torch.Tensor:
         """The staging tensor that holds this bucket's grads in this round."""
         if bucket.staged is None:
-            slot = (bucket.dtype, bucket.index % 2)
+            slot = (bucket.reduce_dtype, bucket.index % 2)
             owner = self._slot_owner.get(slot)
             if owner is not None and owner is not bucket and owner.staged is not None \
                     and not owner.launched:
                 # Grads of three buckets interleave (rare: e.g. a tied weight
                 # far from its bucket): this one gets its own staging memory
                 # rather than take a slot that still fills.
-                flat = torch.zeros(bucket.layout.padded_numel, dtype=bucket.dtype)
+                flat = torch.zeros(bucket.layout.padded_numel, dtype=bucket.reduce_dtype)
                 bucket.staged = (None, flat)
                 return flat
             work = self._slot_work.pop(slot, None)
             if work is not None:
                 work.wait()
-            flat = self._staging[bucket.dtype][slot[1]][:bucket.layout.padded_numel]
+            flat = self._staging[bucket.reduce_dtype][slot[1]][:bucket.layout.padded_numel]
             flat.zero_()
             self._slot_owner[slot] = bucket
             bucket.staged = (slot, flat)
@@ -135,7 +136,7 @@ class GradReducer:
             bucket.accumulated = True
             return
         # A later micro-batch: reduce into scratch, then add into the shard.
-        scratch = self._scratch[bucket.dtype][:bucket.layout.shard_numel]
+        scratch = self._scratch[bucket.reduce_dtype][:bucket.layout.shard_numel]
         self.comm.reduce_scatter(scratch, flat)
         bucket.flat_grad_shard.add_(scratch)
 

@@ -164,3 +164,18 @@ def load_sharded_then_continue(rank, world_size, directory, saved_world, steps_b
     data = batches(steps_before + steps_after)
     train(model, opt, data[steps_before:], rank, world_size)
     return [p.detach().clone() for p in model.parameters()]
+
+
+def bf16_reduce_dtype(rank, world_size, steps, stage, reduce_dtype):
+    """Rank-dependent bf16 grads; returns the masters after `steps` steps."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s).bfloat16()) for s in [(37, 19), (19,)]]
+    opt = rlhfz.ZeroAdamW(params, lr=1e-2, stage=stage, reduce_dtype=reduce_dtype)
+    for step in range(steps):
+        for i, p in enumerate(params):
+            gen = torch.Generator().manual_seed(1000 * step + 10 * i + rank)
+            p.grad = torch.randn(p.shape, generator=gen).bfloat16()
+        opt.step()
+        opt.zero_grad()
+    shard_dtypes = sorted({str(b.flat_grad_shard.dtype) for b in opt._buckets})
+    return {"state_dict": opt.state_dict(), "shard_dtypes": shard_dtypes}

@@ -104,6 +104,7 @@ def test_failed_add_param_group_leaves_optimizer_and_model_alone():
     ({"offload_ratio": 1.5}, "offload_ratio"),
     ({"pin_memory": "sometimes"}, "pin_memory"),
     ({"nonfinite": "ignore"}, "nonfinite"),
+    ({"reduce_dtype": torch.float16}, "reduce_dtype"),
 ])
 def test_unsupported_or_invalid_options_raise(kwargs, match):
     with pytest.raises((ValueError, RuntimeError), match=match):

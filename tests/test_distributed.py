@@ -156,3 +156,25 @@ def test_incomplete_sharded_state_is_refused():
     before = opt.state_dict()["state"][0]["exp_avg"].clone()
     opt.load_sharded_state_dict([part])
     assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], before)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_bf16_grads_reduced_in_fp32(stage):
+    """reduce_dtype=float32 averages bf16 grads in fp32: the masters follow an
+    fp32 AdamW fed the fp32 mean of the ranks' bf16 grads."""
+    world, steps = 3, 10
+    results = run_ranks(workers.bf16_reduce_dtype, world, steps, stage, torch.float32)
+    torch.manual_seed(0)
+    ref_params = [torch.nn.Parameter(torch.randn(s).bfloat16().float()) for s in [(37, 19), (19,)]]
+    ref = torch.optim.AdamW(ref_params, lr=1e-2)
+    for step in range(steps):
+        for i, q in enumerate(ref_params):
+            grads = [torch.randn(q.shape, generator=torch.Generator().manual_seed(
+                1000 * step + 10 * i + r)).bfloat16().float() for r in range(world)]
+            q.grad = torch.stack(grads).mean(0)
+        ref.step()
+    for result in results:
+        assert result["shard_dtypes"] == ["torch.float32"]
+        state = result["state_dict"]["state"]
+        for i, q in enumerate(ref_params):
+            torch.testing.assert_close(state[i]["master_param"], q.detach(), rtol=1e-5, atol=1e-6)
