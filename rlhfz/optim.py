@@ -297,7 +297,7 @@ class ZeroAdamW(Optimizer):
     def _nonfinite_params(self, plan) -> list[str]:
         """Names the params whose grads hold NaN or Inf (the slow path, on failure)."""
         bad = []
-        for bucket, present, _ in plan:
+        for bucket, present, _, _ in plan:
             for i, has_grad in enumerate(present):
                 a, b = bucket.local[i]
                 grad = (bucket.grad_views[i] if self.comm is None
@@ -313,7 +313,7 @@ class ZeroAdamW(Optimizer):
     def _sumsq(self, plan) -> float:
         """Sum of squares of every (reduced) grad, over all ranks."""
         total = 0.0
-        for bucket, _, segments in plan:
+        for bucket, _, _, segments in plan:
             for _, _, lo, hi in segments:
                 total += _C.sumsq(bucket.grad_shard_kview_range(lo, hi))
         if self.comm is not None:
@@ -328,8 +328,9 @@ class ZeroAdamW(Optimizer):
         return math.isfinite(self._sumsq(plan))
 
     def _plan(self, call: str = "step"):
-        """(bucket, which params have grads, kernel ranges in shard elements)
-        for every bucket, with grads reduced across ranks."""
+        """(bucket, which params have grads, runs of params that step together,
+        kernel ranges in shard elements) for every bucket, with grads reduced
+        across ranks."""
         if self.reducer is not None:
             self.reducer.finish()
             presence = [list(bucket.arrived) for bucket in self._buckets]
@@ -341,12 +342,13 @@ class ZeroAdamW(Optimizer):
                 self._reduce_grads(presence)
         plan = []
         for bucket, present in zip(self._buckets, presence):
+            runs = bucket.segments(present)
             ranges = []
-            for start, stop in bucket.segments(present):
+            for start, stop in runs:
                 span = bucket.element_range(start, stop)
                 if span is not None:
                     ranges.append((start, stop) + span)
-            plan.append((bucket, present, ranges))
+            plan.append((bucket, present, runs, ranges))
         return plan
 
     def _agree_presence(self, presence, call):
@@ -394,7 +396,7 @@ class ZeroAdamW(Optimizer):
                                f"`error_if_nonfinite=False`")
         coef = max_norm / (total + 1e-6)
         if coef < 1.0:
-            for bucket, _, segments in plan:
+            for bucket, _, _, segments in plan:
                 for _, _, lo, hi in segments:
                     _C.scale_(bucket.grad_shard_kview_range(lo, hi), coef)
         # The C kernels leave torch's version counters alone, so these record
@@ -432,7 +434,7 @@ class ZeroAdamW(Optimizer):
                 f"non-finite gradient (NaN or Inf) in {len(bad)} parameter(s): "
                 f"{'; '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}. The step was not taken "
                 f"and no state changed; pass nonfinite='skip' to skip such steps instead.")
-        for bucket, present, segments in plan:
+        for bucket, present, runs, segments in plan:
             hp = hparams[bucket.group_index]
             steps = bucket.steps.tolist()
             for start, stop, lo, hi in segments:
@@ -440,7 +442,7 @@ class ZeroAdamW(Optimizer):
                 _C.adamw_step(*bucket.kernel_views(lo, hi), step=step, **hp)
             # Step counts advance for every param with a grad, also those
             # whose elements all live on other ranks.
-            for start, stop in bucket.segments(present):
+            for start, stop in runs:
                 if start == 0 and stop == len(present):
                     bucket.steps.add_(1.0)
                 else:
