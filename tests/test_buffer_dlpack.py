@@ -682,7 +682,8 @@ def test_misaligned_data_is_a_buffererror():
     handmade = Handmade(byte_offset=2)
     with pytest.raises(BufferError, match="not aligned"):
         _C.describe_dlpack(handmade.capsule)
-    assert _C.describe_dlpack(Handmade(byte_offset=4, shape=(3,)).capsule)["numel"] == 3
+    aligned = Handmade(byte_offset=4, shape=(3,))  # held: it owns the struct memory
+    assert _C.describe_dlpack(aligned.capsule)["numel"] == 3
 
 
 def test_too_many_dimensions_is_a_buffererror():
@@ -726,7 +727,8 @@ def test_handmade_capsules_the_importer_accepts():
     assert _C.sumsq(no_strides.capsule) == float(sum(i * i for i in range(6)))
     pinned = Handmade(device=(3, 0), versioned=True)
     assert _C.describe_dlpack(pinned.capsule)["device"] == (3, 0)
-    assert _C.describe_dlpack(Handmade(data=False, shape=(0, 5)).capsule)["numel"] == 0
+    empty = Handmade(data=False, shape=(0, 5))
+    assert _C.describe_dlpack(empty.capsule)["numel"] == 0
     scalar = Handmade(shape=(), ndim=0, null_shape=True)
     assert _C.sumsq(scalar.capsule) == 0.0
     readonly = Handmade(versioned=True, flags=FLAG_READ_ONLY)
