@@ -59,15 +59,23 @@ class Bucket:
         self.full_grads = full_grads
         self.grad_buffer = _C.Buffer(n * itemsize) if full_grads else None
         # Grads are averaged across ranks in reduce_dtype (fp32 for 16-bit
-        # params if asked): the shard holds them so, and under stage 1 an
-        # fp32 copy of the bucket is what gets reduced.
+        # params if asked). Stage 2 keeps the averaged shard in its own
+        # buffer. Stage 1 all-reduces in place, as DDP does, so every rank's
+        # grads hold the average and the shard is a range of them (of an
+        # fp32 copy of the bucket when reduce_dtype differs).
         self.reduce_dtype = reduce_dtype or dtype
         reduce_itemsize = torch.empty((), dtype=self.reduce_dtype).element_size()
-        self.grad_shard_buffer = (_C.Buffer(shard * reduce_itemsize) if world_size > 1
-                                  else None)
+        self.grad_shard_buffer = (_C.Buffer(shard * reduce_itemsize)
+                                  if world_size > 1 and not full_grads else None)
         self.reduce_staging_buffer = (_C.Buffer(n * reduce_itemsize)
                                       if world_size > 1 and full_grads
                                       and self.reduce_dtype != dtype else None)
+        # (buffer, element offset) of the grad shard's first element
+        if self.grad_shard_buffer is not None:
+            self._grad_shard_at = (self.grad_shard_buffer, 0)
+        else:
+            self._grad_shard_at = (self.reduce_staging_buffer or self.grad_buffer,
+                                   self.shard_start)
         self.master_buffer = None if dtype == torch.float32 else _C.Buffer(shard * 4)
         self.exp_avg_buffer = _C.Buffer(shard * 4)
         self.exp_avg_sq_buffer = _C.Buffer(shard * 4)
@@ -75,8 +83,7 @@ class Bucket:
         # Kernel-facing views of whole buckets and shards: passed to _C without DLPack.
         self.param_kview = self.param_buffer.view(self.dtype_name)
         self.grad_kview = self.grad_buffer.view(self.dtype_name) if full_grads else None
-        self.grad_shard_kview = (self.grad_shard_buffer.view(DTYPE_NAMES[self.reduce_dtype])
-                                 if self.grad_shard_buffer else self.grad_kview)
+        self.grad_shard_kview = self.grad_shard_kview_range(0, shard)
         self.master_kview = self._master_view(0, shard)
         self.param_shard_kview = self.param_buffer.view(self.dtype_name, self.shard_start,
                                                         (shard,))
@@ -262,11 +269,9 @@ class Bucket:
         return self.flat_grad._version if self.full_grads else self.generation
 
     def grad_shard_kview_range(self, lo: int, hi: int):
-        if lo == 0 and hi == self.layout.shard_numel:
-            return self.grad_shard_kview
-        if self.grad_shard_buffer is not None:
-            return self.grad_shard_buffer.view(DTYPE_NAMES[self.reduce_dtype], lo, (hi - lo,))
-        return self.grad_buffer.view(self.dtype_name, lo, (hi - lo,))
+        """The (reduced) grads of shard elements [lo, hi)."""
+        buffer, start = self._grad_shard_at
+        return buffer.view(DTYPE_NAMES[self.reduce_dtype], start + lo, (hi - lo,))
 
     # ---- accounting -------------------------------------------------------------------
 

@@ -7,6 +7,13 @@ dedicated gloo group with rlhfz's own timeout (RLHFZ_COLLECTIVE_TIMEOUT
 seconds, default 300), so a rank that never arrives, or arrives at another
 call, makes the others fail with an error that names the mismatch instead
 of hanging until the default group's 30-minute timeout.
+
+On gloo the flat collectives are composed from point-to-root ones, issued
+asynchronously in pieces of about GLOO_PIECE_BYTES so that gloo's worker
+threads pipeline them: gloo's own reduce-scatter and all-gather copy through
+temporaries and run at half the speed (measured on 50 MB, 2 ranks: 75 ms
+reduce-scatter against 39 ms as reduces to each owner; 65 ms all-gather
+against 20 ms as broadcasts from each owner).
 """
 from __future__ import annotations
 
@@ -17,10 +24,33 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 300.0
+GLOO_PIECE_BYTES = 4 << 20
 
 # torch 2.11+ names the flat-tensor collectives *_single; older ones do not.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class _Pending:
+    """Collectives in flight, and what to do once they are all done."""
+
+    def __init__(self, works, then=None):
+        self.works, self.then = works, then
+
+    def wait(self) -> None:
+        while self.works:
+            self.works.pop(0).wait()
+        if self.then is not None:
+            then, self.then = self.then, None
+            then()
+
+
+def _finish(works, then, async_op: bool):
+    pending = _Pending(works, then)
+    if async_op:
+        return pending
+    pending.wait()
+    return None
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -40,6 +70,8 @@ class Communicator:
         self.world_size = dist.get_world_size(process_group)
         self.backend = dist.get_backend(process_group)
         ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+        self._global = ranks or list(range(self.world_size))    # group rank -> global rank
+        self._gloo = self.backend == "gloo"
         # Every rank constructs the optimizer, so creating the group here
         # keeps the collective order of new_group consistent.
         self._control = dist.new_group(
@@ -48,14 +80,49 @@ class Communicator:
 
     def reduce_scatter(self, shard_out: torch.Tensor, full_in: torch.Tensor,
                        async_op: bool = False):
-        """shard_out = the mean over ranks of this rank's range of full_in."""
-        return _reduce_scatter(shard_out, full_in, op=dist.ReduceOp.AVG, group=self.group,
-                               async_op=async_op)
+        """shard_out = the mean over ranks of this rank's range of full_in.
+        full_in is scratch: its contents afterwards are unspecified."""
+        if not self._gloo:
+            return _reduce_scatter(shard_out, full_in, op=dist.ReduceOp.AVG, group=self.group,
+                                   async_op=async_op)
+        shard = full_in.numel() // self.world_size
+        works = [dist.reduce(piece, dst=self._global[owner], op=dist.ReduceOp.SUM,
+                             group=self.group, async_op=True)
+                 for owner, piece in self._pieces(full_in, shard)]
+        mine = full_in[self.rank * shard:(self.rank + 1) * shard]
+        return _finish(works, lambda: torch.div(mine, self.world_size, out=shard_out), async_op)
 
     def all_gather(self, full_out: torch.Tensor, shard_in: torch.Tensor,
                    async_op: bool = False):
         """full_out = the ranks' shards back to back (shard_in may be a view of it)."""
-        return _all_gather(full_out, shard_in, group=self.group, async_op=async_op)
+        if not self._gloo:
+            return _all_gather(full_out, shard_in, group=self.group, async_op=async_op)
+        shard = shard_in.numel()
+        mine = full_out[self.rank * shard:(self.rank + 1) * shard]
+        if mine.data_ptr() != shard_in.data_ptr():
+            mine.copy_(shard_in)
+        works = [dist.broadcast(piece, src=self._global[owner], group=self.group, async_op=True)
+                 for owner, piece in self._pieces(full_out, shard)]
+        return _finish(works, None, async_op)
+
+    def all_reduce_avg(self, tensor: torch.Tensor, async_op: bool = False):
+        """tensor = its mean over ranks, in place."""
+        if not self._gloo:
+            return dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=self.group,
+                                   async_op=async_op)
+        step = max(1, GLOO_PIECE_BYTES // tensor.element_size())
+        works = [dist.all_reduce(tensor[i:i + step], op=dist.ReduceOp.AVG, group=self.group,
+                                 async_op=True) for i in range(0, tensor.numel(), step)]
+        return _finish(works, None, async_op)
+
+    def _pieces(self, full: torch.Tensor, shard: int):
+        """(owner rank, view) over every rank's range of full, cut into
+        pieces of about GLOO_PIECE_BYTES, in the same order on every rank."""
+        step = max(1, GLOO_PIECE_BYTES // (full.element_size() * self.world_size))
+        for lo in range(0, shard, step):
+            hi = min(lo + step, shard)
+            for owner in range(self.world_size):
+                yield owner, full[owner * shard + lo:owner * shard + hi]
 
     def all_reduce_sum(self, tensor: torch.Tensor):
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)

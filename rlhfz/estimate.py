@@ -2,9 +2,13 @@
 
 The same accounting as ZeroAdamW.memory_report(): params and grads in the
 param dtype, fp32 master weights only for 16-bit params, two fp32 moments.
-Padding (at most one alignment unit per bucket) is left out.
+Stage 2 grads across ranks are the shard plus the reducer's staging: two
+buckets and one bucket shard (one param group assumed). Padding (at most one
+alignment unit per bucket) is left out.
 """
 from __future__ import annotations
+
+from .layout import stage2_bucket_bytes
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -21,9 +25,13 @@ def estimate_bytes(params: int, world_size: int = 1, stage: int = 2,
         raise ValueError("offload_ratio must be in [0, 1]")
     itemsize = _ITEMSIZE[param_dtype]
     per_rank = -(-params // world_size)
+    grads = params * itemsize if stage < 2 else per_rank * itemsize
+    if stage == 2 and world_size > 1:
+        bucket = min(stage2_bucket_bytes(params * itemsize), params * itemsize)
+        grads += 2 * bucket + -(-bucket // world_size)
     full = {
         "params": params * itemsize if stage < 3 else per_rank * itemsize,
-        "grads": params * itemsize if stage < 2 else per_rank * itemsize,
+        "grads": grads,
         "master": 0 if itemsize == 4 and offload is None else
                   (params if stage == 0 else per_rank) * 4,
         "exp_avg": (params if stage == 0 else per_rank) * 4,

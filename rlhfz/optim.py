@@ -19,19 +19,10 @@ from torch.optim import Optimizer
 from . import _C
 from .buckets import DTYPE_NAMES, Bucket
 from .comm import communicator_for
+from .layout import stage2_bucket_bytes
 from .reducer import GradReducer
 
 _TIERS = ("host",)
-
-
-def _bucket_bytes(total: int) -> int:
-    """Stage 2 splits each group into buckets of about this many bytes, so
-    that reduction overlaps backward and staging memory (two buckets) stays
-    small: RLHFZ_BUCKET_BYTES if set, else 32 MiB but at most an eighth of
-    the group (at least 64 KiB), so that small models save memory too."""
-    if "RLHFZ_BUCKET_BYTES" in os.environ:
-        return int(os.environ["RLHFZ_BUCKET_BYTES"])
-    return min(32 << 20, max(total // 8, 64 << 10))
 _KINDS = ("params", "grads", "master", "exp_avg", "exp_avg_sq")
 
 
@@ -237,10 +228,10 @@ class ZeroAdamW(Optimizer):
             self.reducer.reserve()
 
     def _bucket_chunks(self, members: list) -> list[list]:
-        """One bucket per dtype, or under stage 2, runs of about _bucket_bytes."""
+        """One bucket per dtype, or under stage 2, runs of about stage2_bucket_bytes."""
         if self.reducer is None or not members:
             return [members] if members else []
-        cap = _bucket_bytes(sum(p.numel() * p.element_size() for p in members))
+        cap = stage2_bucket_bytes(sum(p.numel() * p.element_size() for p in members))
         chunks, current, size = [], [], 0
         for p in members:
             nbytes = p.numel() * p.element_size()
@@ -369,15 +360,19 @@ class ZeroAdamW(Optimizer):
         return merged
 
     def _reduce_grads(self, presence) -> None:
-        """Reduce-scatter (average) each bucket's grads once per backward."""
+        """Stage 1: average each bucket's grads across ranks in place, once
+        per backward (as DDP leaves them); this rank's shard is a range."""
+        works = []
         for bucket, present in zip(self._buckets, presence):
             if any(present) and bucket.reduced_version != bucket.flat_grad._version:
-                source = bucket.flat_grad
+                target = bucket.flat_grad
                 if bucket.flat_reduce_staging is not None:
-                    bucket.flat_reduce_staging.copy_(source)    # 16-bit grads summed in fp32
-                    source = bucket.flat_reduce_staging
-                self.comm.reduce_scatter(bucket.flat_grad_shard, source)
-                bucket.reduced_version = bucket.flat_grad._version
+                    bucket.flat_reduce_staging.copy_(target)    # 16-bit grads summed in fp32
+                    target = bucket.flat_reduce_staging
+                works.append((bucket, self.comm.all_reduce_avg(target, async_op=True)))
+        for bucket, work in works:
+            work.wait()
+            bucket.reduced_version = bucket.flat_grad._version
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
@@ -434,6 +429,7 @@ class ZeroAdamW(Optimizer):
                 f"non-finite gradient (NaN or Inf) in {len(bad)} parameter(s): "
                 f"{'; '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}. The step was not taken "
                 f"and no state changed; pass nonfinite='skip' to skip such steps instead.")
+        gathers = []
         for bucket, present, runs, segments in plan:
             hp = hparams[bucket.group_index]
             steps = bucket.steps.tolist()
@@ -453,7 +449,11 @@ class ZeroAdamW(Optimizer):
                             self._register_state(bucket, i)
                     bucket.all_registered = all(bucket.registered)
             if self.comm is not None and any(present):
-                self.comm.all_gather(bucket.flat_param, bucket.flat_param_shard)
+                # in flight while the next bucket steps
+                gathers.append(self.comm.all_gather(bucket.flat_param, bucket.flat_param_shard,
+                                                    async_op=True))
+        for work in gathers:
+            work.wait()
         self._finite_versions = None
         return loss
 

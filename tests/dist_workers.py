@@ -179,3 +179,58 @@ def bf16_reduce_dtype(rank, world_size, steps, stage, reduce_dtype):
         opt.zero_grad()
     shard_dtypes = sorted({str(b.flat_grad_shard.dtype) for b in opt._buckets})
     return {"state_dict": opt.state_dict(), "shard_dtypes": shard_dtypes}
+
+
+def communicator_primitives(rank, world_size, piece_bytes):
+    """Each flat collective against its definition, with gloo pieces small
+    enough that every call is cut into many (uneven) pieces."""
+    from rlhfz import comm as comm_module
+    comm_module.GLOO_PIECE_BYTES = piece_bytes
+    comm = comm_module.Communicator()
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        shard = 1031
+        gen = torch.Generator().manual_seed(7)
+        everyone = [torch.randn(shard * world_size, generator=gen).to(dtype)
+                    for _ in range(world_size)]
+        full = everyone[rank].clone()
+        mine = torch.empty(shard, dtype=dtype)
+        comm.reduce_scatter(mine, full)
+        expected = (torch.stack([t.float() for t in everyone]).sum(0) / world_size)
+        out[f"reduce_scatter_{dtype}"] = (mine.float(),
+                                          expected[rank * shard:(rank + 1) * shard])
+        averaged = everyone[rank].clone()
+        comm.all_reduce_avg(averaged, async_op=True).wait()
+        out[f"all_reduce_avg_{dtype}"] = (averaged.float(), expected)
+        gathered = torch.full((shard * world_size,), -1.0, dtype=dtype)
+        comm.all_gather(gathered, everyone[rank][:shard])
+        out[f"all_gather_{dtype}"] = (gathered, torch.cat([t[:shard] for t in everyone]))
+    return out
+
+
+def accumulate_across_steps(rank, world_size, stage):
+    """Two steps with no zero_grad between them: the second step's grads are
+    the first's plus the new ones, as with torch.optim.AdamW in one process.
+    Under stage 1, p.grad holds the average over ranks after a step (as DDP
+    leaves it)."""
+    model = make_model()
+    opt = rlhfz.ZeroAdamW(groups(model), lr=1e-3, stage=stage)
+    per_rank = GLOBAL_BATCH // world_size
+    grads_after_first = None
+    for i, (x, y) in enumerate(batches(2)):
+        xs, ys = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+        torch.nn.functional.mse_loss(model(xs), ys).backward()
+        opt.step()
+        if i == 0 and stage == 1:
+            grads_after_first = [p.grad.clone() for p in model.parameters()]
+    opt.step()     # no new grads: the same update again, not a second reduction
+    return {"params": [p.detach().clone() for p in model.parameters()],
+            "grads_after_first": grads_after_first}
+
+
+def report_against_estimate(rank, world_size, stage):
+    from rlhfz.estimate import estimate_bytes
+    model = make_model()
+    opt = rlhfz.ZeroAdamW(model.parameters(), stage=stage)
+    numel = sum(p.numel() for p in model.parameters())
+    return opt.memory_report(), estimate_bytes(numel, world_size, stage, "float32")
