@@ -3,10 +3,11 @@ ZeroRedundancyOptimizer(AdamW) with DDP, for the same model, in one run.
 
 Each rank times its own iterations (forward + backward + step) and its
 optimizer step; the medians and per-rank memory go into extra_info: the
-tensors each keeps (params, grads, optimizer state) and the growth of the
-process's resident memory over the run, which also counts what those
-tensors do not show (DDP's grad buckets). The timed call is the whole 2-rank run, spawn
-included, the same for every implementation. Both ranks share the
+tensors each keeps (params, grads, optimizer state; for DDP, its grad buckets
+too) and the growth of the process's resident memory over the run. The peer
+runs twice: with DDP's defaults, and with gradient_as_bucket_view=True (grads
+are views of DDP's buckets, one copy). The timed call is the whole 2-rank
+run, spawn included, the same for every implementation. Both ranks share the
 machine's 2 cores, one thread each.
 
 Run: python -m pytest benchmarks/test_bench_zero_gloo.py
@@ -19,7 +20,8 @@ from rlhfz.launch import run_ranks
 STEPS, WARMUP = 20, 3
 
 
-@pytest.mark.parametrize("impl", ["torch_zero", "rlhfz_stage1", "rlhfz_stage2"])
+@pytest.mark.parametrize("impl", ["torch_zero", "torch_zero_bucket_view", "rlhfz_stage1",
+                                  "rlhfz_stage2"])
 def test_zero_gloo_2_ranks(benchmark, impl):
     benchmark.group = "zero-gloo-2ranks"
     results = []

@@ -37,8 +37,12 @@ def run(rank, world_size, impl, steps, warmup):
     torch.set_num_threads(1)
     baseline = _rss_bytes()
     model = make_model()
-    if impl == "torch_zero":
-        trained = torch.nn.parallel.DistributedDataParallel(model)
+    if impl.startswith("torch_zero"):
+        # DDP's default copies grads into its own buckets; with
+        # gradient_as_bucket_view the grads are views of them (one copy).
+        bucket_view = impl == "torch_zero_bucket_view"
+        trained = torch.nn.parallel.DistributedDataParallel(
+            model, gradient_as_bucket_view=bucket_view)
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
                                       lr=1e-4)
     else:
@@ -58,10 +62,13 @@ def run(rank, world_size, impl, steps, warmup):
             iters.append(end - start)
             steps_s.append(end - mid)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    if impl == "torch_zero":
-        # DDP's grad buckets hold a full copy of the grads; ZeRO shards the states.
+    if impl.startswith("torch_zero"):
+        # ZeRO shards the states; DDP's buckets hold every grad, and p.grad
+        # is a second copy unless it is a view of them.
         grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
                     if p.grad is not None)
+        if not bucket_view:
+            grads *= 2
         memory = {"params": params, "grads": grads, "optimizer_state": _state_bytes(opt.optim)}
     else:
         report = opt.memory_report()

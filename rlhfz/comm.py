@@ -18,6 +18,7 @@ against 20 ms as broadcasts from each owner).
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
 
 import torch
@@ -72,6 +73,7 @@ class Communicator:
         ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
         self._global = ranks or list(range(self.world_size))    # group rank -> global rank
         self._gloo = self.backend == "gloo"
+        self._calls = 0        # collective entry points this rank has made
         # Every rank constructs the optimizer, so creating the group here
         # keeps the collective order of new_group consistent.
         self._control = dist.new_group(
@@ -135,28 +137,50 @@ class Communicator:
         try:
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._control)
         except RuntimeError as error:
-            raise CollectiveMismatchError(
-                f"rank {self.rank} entered {call} but not every rank of the "
-                f"{self.world_size} did within {collective_timeout():.0f} s "
-                f"(RLHFZ_COLLECTIVE_TIMEOUT): {error}") from error
+            raise self._absent(call, error) from error
 
-    def agree(self, call: str, signature) -> None:
-        """Checks that every rank is in `call` with an equal `signature`."""
-        mine = (call, signature)
-        gathered = [None] * self.world_size
+    def agree(self, call: str, signature=None) -> None:
+        """Checks that every rank is in `call` with an equal `signature`.
+
+        Every collective entry point of rlhfz starts here, so ranks that
+        disagree meet in the same small exchange: a fixed-size header (the
+        call, a digest of the signature, and how many calls this rank has
+        made). Only when the headers differ do ranks exchange the details,
+        to name what each one is doing."""
+        self._calls += 1
+        header = torch.tensor([_digest(call), _digest(signature), self._calls],
+                              dtype=torch.int64)
+        headers = torch.empty(self.world_size * 3, dtype=torch.int64)
         try:
-            dist.all_gather_object(gathered, mine, group=self._control)
+            _all_gather(headers, header, group=self._control)
         except RuntimeError as error:
-            raise CollectiveMismatchError(
-                f"rank {self.rank} entered {call} but not every rank of the "
-                f"{self.world_size} did within {collective_timeout():.0f} s "
-                f"(RLHFZ_COLLECTIVE_TIMEOUT): {error}") from error
-        for rank, theirs in enumerate(gathered):
-            if theirs != mine:
-                raise CollectiveMismatchError(
-                    f"ranks disagree: rank {self.rank} is in {call} with {signature!r}, "
-                    f"rank {rank} is in {theirs[0]} with {theirs[1]!r}; every rank must "
-                    f"make the same collective calls in the same order")
+            raise self._absent(call, error) from error
+        if bool((headers.view(self.world_size, 3) == header).all()):
+            return
+        mine = (call, signature, self._calls)
+        everyone = [None] * self.world_size
+        try:
+            dist.all_gather_object(everyone, mine, group=self._control)
+        except RuntimeError as error:
+            raise self._absent(call, error) from error
+        rank, theirs = next((r, t) for r, t in enumerate(everyone) if t != mine)
+        raise CollectiveMismatchError(
+            f"ranks disagree: rank {self.rank} is in {call} with {signature!r} (its "
+            f"collective call #{self._calls}), rank {rank} is in {theirs[0]} with "
+            f"{theirs[1]!r} (its call #{theirs[2]}); every rank must make the same "
+            f"collective calls in the same order")
+
+    def _absent(self, call: str, error: Exception) -> CollectiveMismatchError:
+        return CollectiveMismatchError(
+            f"rank {self.rank} entered {call} (its collective call #{self._calls}) but not "
+            f"every rank of the {self.world_size} did within {collective_timeout():.0f} s "
+            f"(RLHFZ_COLLECTIVE_TIMEOUT): {error}")
+
+
+def _digest(value) -> int:
+    """A stable 63-bit digest of a value's repr (the same on every rank)."""
+    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(),
+                          "little") >> 1
 
 
 def communicator_for(process_group) -> Communicator | None:

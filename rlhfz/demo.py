@@ -166,21 +166,64 @@ def _print_report(print_fn, title, report):
         f"{kind} {_format_bytes(sum(tiers.values()))}" for kind, tiers in report.items()))
 
 
+def launched_by_torchrun() -> bool:
+    """True in a process that torchrun (or another env:// launcher) started."""
+    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                               "MASTER_PORT"))
+
+
+def _ranks_under_torchrun(steps, batch_size, lr, seed, stage):
+    """This process is one rank of a torchrun job (any number of nodes):
+    train, then gather every rank's result to all."""
+    import rlhfz
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    try:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        rlhfz.set_num_threads(max(1, (os.cpu_count() or 1) // local))   # share the node's cores
+        result = _rank_main(dist.get_rank(), dist.get_world_size(), steps, batch_size, lr, seed,
+                            stage)
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, result)
+        return dist.get_rank(), ranks
+    finally:
+        dist.destroy_process_group()
+
+
 def run(steps: int = 300, batch_size: int = 16, lr: float = 3e-3, seed: int = 0,
         log_every: int = 25, print_fn=print, world_size: int = 2, stage: int = 2) -> dict:
     """Trains with ZeroAdamW on `world_size` gloo ranks (stage `stage`), and
-    the same global batches with torch.optim.AdamW in this process."""
+    the same global batches with torch.optim.AdamW in this process. Started
+    by torchrun, each process is one rank instead (the launcher's world size
+    wins) and rank 0 reports."""
     import rlhfz
 
+    torchrun = launched_by_torchrun()
+    if torchrun:
+        world_size = int(os.environ["WORLD_SIZE"])
     if batch_size % world_size:
         raise ValueError(f"batch size {batch_size} does not divide over {world_size} ranks")
+    if world_size == 1:
+        rank, ranks = 0, [_rank_main(0, 1, steps, batch_size, lr, seed, stage)]
+    elif torchrun:
+        rank, ranks = _ranks_under_torchrun(steps, batch_size, lr, seed, stage)
+    else:
+        from .launch import run_ranks
+        threads = max(1, rlhfz.get_num_threads() // world_size)
+        os.environ.setdefault("RLHFZ_NUM_THREADS", str(threads))   # share the cores
+        rank, ranks = 0, run_ranks(_rank_main, world_size, steps, batch_size, lr, seed, stage,
+                                   timeout=600)
+    if rank != 0:
+        return {"rank": rank}
+
     cfg, ref_model, ref_opt, ref_sched = _setup(seed, lr, steps, torch.optim.AdamW)
     nparams = sum(p.numel() for p in ref_model.parameters())
     info = rlhfz.build_info()
+    launcher = "torchrun" if torchrun else "gloo"
     print_fn(f"rlhfz {info['version']} demo: TinyGPT {cfg.layers} layers x {cfg.dim} dims, "
              f"{nparams:,} params, {steps} steps, global batch {batch_size}x{cfg.seq_len}; "
-             f"ZeroAdamW stage {stage} on {world_size} gloo rank(s) beside torch.optim.AdamW "
-             f"in one process; simd={info['simd']} threads={info['threads']}")
+             f"ZeroAdamW stage {stage} on {world_size} {launcher} rank(s) beside "
+             f"torch.optim.AdamW in one process; simd={info['simd']} threads={info['threads']}")
     ref_losses, ref_seconds = _train(ref_model, ref_opt, ref_sched, cfg, steps, batch_size, seed)
 
     # The unsharded figure: the same optimizer, one process.
@@ -188,14 +231,6 @@ def run(steps: int = 300, batch_size: int = 16, lr: float = 3e-3, seed: int = 0,
     unsharded = single_opt.memory_report()
     del single_opt
 
-    if world_size == 1:
-        ranks = [_rank_main(0, 1, steps, batch_size, lr, seed, stage)]
-    else:
-        from .launch import run_ranks
-        threads = max(1, rlhfz.get_num_threads() // world_size)
-        os.environ.setdefault("RLHFZ_NUM_THREADS", str(threads))   # share the cores
-        ranks = run_ranks(_rank_main, world_size, steps, batch_size, lr, seed, stage,
-                          timeout=600)
     losses = ranks[0]["losses"]
     print_fn(f"{'step':>5}  {'loss rlhfz':>10}  {'loss torch':>10}")
     for step in range(1, steps + 1):
@@ -206,14 +241,15 @@ def run(steps: int = 300, batch_size: int = 16, lr: float = 3e-3, seed: int = 0,
              f"torch.optim.AdamW {1e3 * ref_seconds / steps:.3f} ms (one process)")
     print_fn("memory owned by ZeroAdamW, per rank, beside the unsharded optimizer:")
     _print_report(print_fn, "unsharded", unsharded)
-    for rank, result in enumerate(ranks):
-        _print_report(print_fn, f"rank {rank}", result["memory_report"])
+    for index, result in enumerate(ranks):
+        _print_report(print_fn, f"rank {index}", result["memory_report"])
     diff = relative_difference_lists(ranks[0]["params"], list(ref_model.parameters()))
     first, last = losses[0], sum(losses[-10:]) / 10
     print_fn(f"loss {first:.3f} -> {last:.3f} (mean of the last 10); params differ from "
              f"torch.optim.AdamW's by {diff:.2e} relative (L2)")
     if not (math.isfinite(last) and last < first):
         raise RuntimeError("the demo did not learn: the loss did not go down")
-    return {"losses": {"rlhfz": losses, "torch": ref_losses}, "relative_param_diff": diff,
+    return {"rank": 0, "losses": {"rlhfz": losses, "torch": ref_losses},
+            "relative_param_diff": diff,
             "memory_report": ranks[0]["memory_report"], "unsharded_memory_report": unsharded,
             "rank_memory_reports": [r["memory_report"] for r in ranks]}

@@ -347,6 +347,7 @@ class ZeroAdamW(Optimizer):
         without it contribute zeros. One small MAX all-reduce, under rlhfz's
         timeout, which also catches a rank that never entered the step."""
         flat = [has for present in presence for has in present]
+        self.comm.agree(f"ZeroAdamW.{call}", {"params": len(flat)})
         mask = torch.tensor(flat, dtype=torch.uint8)
         self.comm.all_reduce_max_control(mask, f"ZeroAdamW.{call}")
         merged, i = [], 0
@@ -478,7 +479,8 @@ class ZeroAdamW(Optimizer):
         (every rank calls it, and every rank gets the whole dict)."""
         if self.comm is None:
             return super().state_dict()
-        self.comm.agree("ZeroAdamW.state_dict", [len(b.params) for b in self._buckets])
+        self.comm.agree("ZeroAdamW.state_dict",
+                        {"buckets": [len(b.params) for b in self._buckets]})
         packed = super().state_dict()
         position = {id(p): i for i, p in
                     enumerate(p for group in self.param_groups for p in group["params"])}
@@ -573,7 +575,8 @@ class ZeroAdamW(Optimizer):
             self._check_state_entry(key, entry, index_to_param[key])
 
         if self.comm is not None:
-            self.comm.agree("ZeroAdamW.load_state_dict", [len(b.params) for b in self._buckets])
+            self.comm.agree("ZeroAdamW.load_state_dict",
+                            {"buckets": [len(b.params) for b in self._buckets]})
         # All checked: now write. Each rank takes its shard's part of every
         # full tensor, so a dict saved at any world size loads at this one.
         for saved, group in zip(saved_groups, self.param_groups):

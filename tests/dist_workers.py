@@ -93,19 +93,26 @@ def load_then_continue(rank, world_size, path, steps_before, steps_after):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def mismatched_state_dict_call(rank, world_size):
-    """Rank 0 asks for a state dict while the others step: an error, not a hang."""
+def mismatched_calls(rank, world_size, what):
+    """Ranks that enter different collectives, or one that never arrives:
+    an error, not a hang. Returns the message each rank got."""
     import os
     os.environ["RLHFZ_COLLECTIVE_TIMEOUT"] = "5"
     from rlhfz.comm import CollectiveMismatchError
     model = make_model()
     opt = rlhfz.ZeroAdamW(groups(model), lr=1e-3, stage=1)
+    model(torch.randn(2, 37)).sum().backward()
     try:
-        if rank == 0:
-            opt.state_dict()
-        else:
-            model(torch.randn(2, 37)).sum().backward()
-            opt.step()
+        if what == "state_dict_vs_step":
+            opt.state_dict() if rank == 0 else opt.step()
+        elif what == "clip_vs_step":
+            opt.clip_grad_norm_(1.0) if rank == 0 else opt.step()
+        elif what == "absent":
+            if rank == 0:
+                opt.step()
+            else:
+                import time
+                time.sleep(10)      # never enters the step
     except CollectiveMismatchError as error:
         return str(error)
     return None

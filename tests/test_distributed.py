@@ -80,10 +80,25 @@ def test_resume_at_other_world_sizes(tmp_path):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
 
 
-def test_inconsistent_collective_calls_fail_instead_of_hanging():
-    results = run_ranks(workers.mismatched_state_dict_call, 2, timeout=120)
-    assert all(message is not None for message in results), results
-    assert any("state_dict" in message for message in results)
+@pytest.mark.parametrize("what,calls", [
+    ("state_dict_vs_step", ("ZeroAdamW.state_dict", "ZeroAdamW.step")),
+    ("clip_vs_step", ("ZeroAdamW.clip_grad_norm_", "ZeroAdamW.step")),
+])
+def test_inconsistent_collective_calls_name_both_calls(what, calls):
+    """Each rank's error names its own call and the other rank's."""
+    messages = run_ranks(workers.mismatched_calls, 2, what, timeout=120)
+    for rank, message in enumerate(messages):
+        assert message is not None, messages
+        assert "ranks disagree" in message
+        assert f"rank {rank} is in {calls[rank]}" in message, message
+        assert f"rank {1 - rank} is in {calls[1 - rank]}" in message, message
+
+
+def test_a_rank_that_never_arrives_fails_within_the_timeout():
+    messages = run_ranks(workers.mismatched_calls, 2, "absent", timeout=120)
+    assert messages[1] is None
+    assert "rank 0 entered ZeroAdamW.step" in messages[0]
+    assert "not every rank of the 2 did within 5 s" in messages[0]
 
 
 def test_stage2_holds_no_full_grads():
