@@ -128,6 +128,8 @@ class Bucket:
         self.accumulated = False
         self.generation = 0
         self.staged = None
+        self.staged_params = [False] * len(params)    # grad written to staging this round
+        self.gaps = self.layout.gaps()
         self.arrived_now = 0
         self.launched = False
 

@@ -46,6 +46,18 @@ class BucketLayout:
         """Elements that belong to parameters (no padding)."""
         return sum(slot.numel for slot in self.slots)
 
+    def gaps(self) -> list[tuple[int, int]]:
+        """[start, stop) element ranges that no parameter covers (alignment
+        and the tail), in order."""
+        ranges, end = [], 0
+        for slot in self.slots:
+            if slot.offset > end:
+                ranges.append((end, slot.offset))
+            end = max(end, slot.offset + slot.numel)
+        if self.padded_numel > end:
+            ranges.append((end, self.padded_numel))
+        return ranges
+
     def shard_range(self, rank: int) -> tuple[int, int]:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside a world of size {self.world_size}")

@@ -71,6 +71,7 @@ class GradReducer:
         self._next = len(self.buckets) - 1
         for bucket in self.buckets:
             bucket.staged = None
+            bucket.staged_params = [False] * len(bucket.params)
             bucket.arrived_now = 0
             bucket.launched = False
         try:
@@ -95,7 +96,10 @@ class GradReducer:
             if work is not None:
                 work.wait()
             flat = self._staging[bucket.reduce_dtype][slot[1]][:bucket.layout.padded_numel]
-            flat.zero_()
+            # Each param's first grad is copied in, and params that send
+            # none are zeroed at launch: only the gaps are zeroed here.
+            for start, stop in bucket.gaps:
+                flat[start:stop].zero_()
             self._slot_owner[slot] = bucket
             bucket.staged = (slot, flat)
         return bucket.staged[1]
@@ -104,9 +108,14 @@ class GradReducer:
         self._open_round()
         flat = self._stage(bucket)
         slot = bucket.layout.slots[index]
+        target = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
         with torch.no_grad():
-            flat[slot.offset:slot.offset + slot.numel].view(slot.shape).add_(param.grad)
+            if bucket.staged_params[index]:
+                target.add_(param.grad)
+            else:
+                target.copy_(param.grad)
         param.grad = None
+        bucket.staged_params[index] = True
         bucket.arrived[index] = True
         bucket.arrived_now += 1
         if bucket.arrived_now == bucket.expected:
@@ -124,6 +133,10 @@ class GradReducer:
         if bucket.launched or not bucket.expected:
             return
         flat = self._stage(bucket)
+        for index, staged in enumerate(bucket.staged_params):
+            if not staged:      # no grad this round: it adds zeros
+                place = bucket.layout.slots[index]
+                flat[place.offset:place.offset + place.numel].zero_()
         slot = bucket.staged[0]
         bucket.launched = True
         bucket.generation += 1

@@ -1,4 +1,6 @@
 """Per-rank bodies of the multi-process tests (importable by spawned ranks)."""
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -53,7 +55,6 @@ def train(model, opt, data, rank=0, world_size=1, clip=None, micro_batches=1):
 
 
 def stage_parity(rank, world_size, steps, clip, stage=1, micro_batches=1, bucket_bytes=None):
-    import os
     if bucket_bytes is not None:
         os.environ["RLHFZ_BUCKET_BYTES"] = str(bucket_bytes)
     model = make_model()
@@ -96,7 +97,6 @@ def load_then_continue(rank, world_size, path, steps_before, steps_after):
 def mismatched_calls(rank, world_size, what):
     """Ranks that enter different collectives, or one that never arrives:
     an error, not a hang. Returns the message each rank got."""
-    import os
     os.environ["RLHFZ_COLLECTIVE_TIMEOUT"] = "5"
     from rlhfz.comm import CollectiveMismatchError
     model = make_model()
@@ -241,3 +241,49 @@ def report_against_estimate(rank, world_size, stage):
     opt = rlhfz.ZeroAdamW(model.parameters(), stage=stage)
     numel = sum(p.numel() for p in model.parameters())
     return opt.memory_report(), estimate_bytes(numel, world_size, stage, "float32")
+
+
+class Branchy(torch.nn.Module):
+    """A trunk and three heads: `shared` is used by every rank, `first` only
+    by rank 0, `unused` by nobody (so it never has a grad)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.trunk = torch.nn.Linear(37, 53)
+        self.shared = torch.nn.Linear(53, 7)
+        self.first = torch.nn.Linear(53, 7)
+        self.unused = torch.nn.Linear(53, 7)
+
+    def loss(self, x, y, rank):
+        h = torch.tanh(self.trunk(x))
+        out = self.shared(h) + (self.first(h) if rank == 0 else 0.0)
+        return torch.nn.functional.mse_loss(out, y)
+
+
+def branchy_reference(world_size, steps):
+    """One process, the same global objective: the mean of the ranks' losses."""
+    model = Branchy()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    per_rank = GLOBAL_BATCH // world_size
+    for x, y in batches(steps):
+        opt.zero_grad()
+        total = sum(model.loss(x[r * per_rank:(r + 1) * per_rank],
+                               y[r * per_rank:(r + 1) * per_rank], r)
+                    for r in range(world_size)) / world_size
+        total.backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()], opt.state_dict()
+
+
+def branchy_sharded(rank, world_size, steps, stage):
+    os.environ["RLHFZ_BUCKET_BYTES"] = str(4 << 10)     # several buckets under stage 2
+    model = Branchy()
+    opt = rlhfz.ZeroAdamW(model.parameters(), lr=1e-2, stage=stage)
+    per_rank = GLOBAL_BATCH // world_size
+    for x, y in batches(steps):
+        opt.zero_grad()
+        model.loss(x[rank * per_rank:(rank + 1) * per_rank],
+                   y[rank * per_rank:(rank + 1) * per_rank], rank).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()], opt.state_dict()

@@ -235,3 +235,16 @@ def test_memory_report_matches_the_estimate(stage):
             got = report[kind]["host"]
             expected = sum(estimate[kind].values())
             assert expected <= got <= expected * 1.05 + 64 * 4, (kind, got, expected)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_params_without_grads_on_some_ranks(world_size, stage):
+    """A param with a grad on any rank steps with the others adding zeros (as
+    DDP averages); one with a grad on no rank is skipped and gets no state."""
+    ref_params, ref_sd = workers.branchy_reference(world_size, 10)
+    for params, sd in run_ranks(workers.branchy_sharded, world_size, 10, stage):
+        for a, b in zip(params, ref_params):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        assert sorted(sd["state"]) == sorted(ref_sd["state"])
+        assert len(sd["state"]) == 6        # trunk, shared, first: weight and bias
