@@ -5,7 +5,8 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 # torch is pinned: the CPU wheel; an unpinned torch pulls a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
-DEPS := $(TORCH_PIN) numpy pytest pytest-benchmark hypothesis "setuptools>=64" wheel
+# nvidia-nccl-cu13: the NCCL library the native communicator loads (its tests run without a GPU)
+DEPS := $(TORCH_PIN) numpy pytest pytest-benchmark hypothesis "setuptools>=64" wheel nvidia-nccl-cu13
 
 .PHONY: deps install demo test bench clean
 

@@ -127,7 +127,7 @@ setup(
         include_dirs=["csrc", "kernels"],
         define_macros=DEFINES,
         extra_compile_args=COMMON_CFLAGS,
-        extra_link_args=["-pthread"],
+        extra_link_args=["-pthread", "-ldl"],     # dlopen: the NCCL library
     )],
     cmdclass={"build_ext": BuildExt},
 )

@@ -62,59 +62,55 @@ DLDataType rlhfz_dtype_to_dl(rlhfz_dtype dtype)
     return dl;
 }
 
-static const char *tier_name(rlhfz_tier tier)
-{
-    return tier == RLHFZ_TIER_EXTERNAL ? "external" : "host";
-}
-
 /* ---- Buffer ---------------------------------------------------------------- */
 
 rlhfz_Buffer *rlhfz_buffer_alloc(rlhfz_state *state, size_t nbytes, size_t alignment, int zero)
+{
+    return rlhfz_buffer_alloc_in(state, RLHFZ_TIER_HOST, -1, nbytes, alignment, zero);
+}
+
+rlhfz_Buffer *rlhfz_buffer_alloc_in(rlhfz_state *state, rlhfz_tier tier, int device,
+                                    size_t nbytes, size_t alignment, int zero)
 {
     if (alignment < sizeof(void *) || (alignment & (alignment - 1)) != 0) {
         PyErr_Format(PyExc_ValueError, "alignment must be a power of two >= %zu, not %zu",
                      sizeof(void *), alignment);
         return NULL;
     }
-    rlhfz_Buffer *self = (rlhfz_Buffer *)state->Buffer_type->tp_alloc(state->Buffer_type, 0);
-    if (self == NULL)
-        return NULL;
     /* A zero-byte buffer still gets a block (DLPack consumers expect a
      * non-null pointer); sizes round up to whole cache lines, zeroed, so
      * SIMD loops may read a tail safely. */
     size_t padded = nbytes == 0 ? 64 : (nbytes + 63) / 64 * 64;
-    if (padded < nbytes) {
-        Py_DECREF(self);
+    if (padded < nbytes)
         return (rlhfz_Buffer *)PyErr_NoMemory();
-    }
+    rlhfz_Buffer *self = (rlhfz_Buffer *)state->Buffer_type->tp_alloc(state->Buffer_type, 0);
+    if (self == NULL)
+        return NULL;
+    self->tier = RLHFZ_TIER_HOST;
+    self->device = -1;
     void *data = NULL;
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = posix_memalign(&data, alignment, padded);
-    if (rc == 0 && zero)
-        memset(data, 0, padded);
-    Py_END_ALLOW_THREADS
-    if (rc != 0) {
+    if (rlhfz_tier_alloc(&tier, &device, padded, alignment, zero, &data) < 0) {
         Py_DECREF(self);
-        PyErr_Format(PyExc_MemoryError, "could not allocate %zu bytes of host memory", nbytes);
         return NULL;
     }
     self->data = data;
     self->nbytes = nbytes;
     self->alignment = alignment;
-    self->tier = RLHFZ_TIER_HOST;
+    self->tier = tier;
+    self->device = device;
     return self;
 }
 
 static PyObject *Buffer_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
-    static char *kwlist[] = {"nbytes", "tier", "alignment", "zero", NULL};
+    static char *kwlist[] = {"nbytes", "tier", "device", "alignment", "zero", NULL};
     Py_ssize_t nbytes;
-    const char *tier = "host";
+    const char *tier_text = "host";
+    int device = -1;
     Py_ssize_t alignment = RLHFZ_DEFAULT_ALIGNMENT;
     int zero = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "n|s$np:Buffer", kwlist,
-                                     &nbytes, &tier, &alignment, &zero))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "n|s$inp:Buffer", kwlist,
+                                     &nbytes, &tier_text, &device, &alignment, &zero))
         return NULL;
     if (nbytes < 0) {
         PyErr_Format(PyExc_ValueError, "nbytes must be >= 0, not %zd", nbytes);
@@ -124,16 +120,19 @@ static PyObject *Buffer_new(PyTypeObject *type, PyObject *args, PyObject *kwargs
         PyErr_Format(PyExc_ValueError, "alignment must be positive, not %zd", alignment);
         return NULL;
     }
-    /* Pinned memory needs the CUDA runtime; without it the tier falls back to host. */
-    if (strcmp(tier, "host") != 0 && strcmp(tier, "pinned") != 0) {
-        PyErr_Format(PyExc_ValueError, "tier %s is not available in this build "
-                     "(available: host, pinned)", tier);
+    rlhfz_tier tier;
+    if (rlhfz_tier_from_name(tier_text, &tier) < 0)
+        return NULL;
+    if (device < -1 || (device >= 0 && tier != RLHFZ_TIER_DEVICE)) {
+        PyErr_Format(PyExc_ValueError, "device must be -1 (the current one) or a CUDA ordinal "
+                     "for the device tier, not %d for tier %s", device, tier_text);
         return NULL;
     }
     rlhfz_state *state = rlhfz_state_from_type(type);
     if (state == NULL)
         return NULL;
-    return (PyObject *)rlhfz_buffer_alloc(state, (size_t)nbytes, (size_t)alignment, zero);
+    return (PyObject *)rlhfz_buffer_alloc_in(state, tier, device, (size_t)nbytes,
+                                             (size_t)alignment, zero);
 }
 
 static void release_external(rlhfz_Buffer *self)
@@ -161,7 +160,7 @@ static void Buffer_dealloc(rlhfz_Buffer *self)
     if (self->tier == RLHFZ_TIER_EXTERNAL)
         release_external(self);
     else
-        free(self->data);
+        rlhfz_tier_free(self->tier, self->device, self->data);
     self->data = NULL;
     type->tp_free(self);
     Py_DECREF(type);
@@ -178,11 +177,8 @@ static PyObject *Buffer_view(rlhfz_Buffer *self, PyObject *const *args, Py_ssize
 
 static PyObject *Buffer_zero_(rlhfz_Buffer *self, PyObject *unused)
 {
-    void *data = self->data;
-    size_t n = self->nbytes;
-    Py_BEGIN_ALLOW_THREADS
-    memset(data, 0, n);
-    Py_END_ALLOW_THREADS
+    if (rlhfz_tier_zero(self->tier, self->data, self->nbytes) < 0)
+        return NULL;
     Py_RETURN_NONE;
 }
 
@@ -195,6 +191,7 @@ static PyObject *Buffer_from_dlpack(PyTypeObject *type, PyObject *obj)
     if (self == NULL)
         return NULL;
     self->tier = RLHFZ_TIER_EXTERNAL;
+    self->device = -1;
     self->alignment = 1;
     if (rlhfz_buffer_import_dlpack(self, obj) < 0) {
         Py_DECREF(self);
@@ -205,14 +202,15 @@ static PyObject *Buffer_from_dlpack(PyTypeObject *type, PyObject *obj)
 
 static PyObject *Buffer_get_nbytes(rlhfz_Buffer *self, void *c) { return PyLong_FromSize_t(self->nbytes); }
 static PyObject *Buffer_get_alignment(rlhfz_Buffer *self, void *c) { return PyLong_FromSize_t(self->alignment); }
-static PyObject *Buffer_get_tier(rlhfz_Buffer *self, void *c) { return PyUnicode_FromString(tier_name(self->tier)); }
+static PyObject *Buffer_get_tier(rlhfz_Buffer *self, void *c) { return PyUnicode_FromString(rlhfz_tier_name(self->tier)); }
+static PyObject *Buffer_get_device(rlhfz_Buffer *self, void *c) { return PyLong_FromLong(self->device); }
 static PyObject *Buffer_get_address(rlhfz_Buffer *self, void *c) { return PyLong_FromVoidPtr(self->data); }
 static PyObject *Buffer_get_exports(rlhfz_Buffer *self, void *c) { return PyLong_FromSsize_t(self->exports); }
 
 static PyObject *Buffer_repr(rlhfz_Buffer *self)
 {
     return PyUnicode_FromFormat("<rlhfz._C.Buffer %zu bytes, tier=%s, exports=%zd>",
-                                self->nbytes, tier_name(self->tier), self->exports);
+                                self->nbytes, rlhfz_tier_name(self->tier), self->exports);
 }
 
 static PyMethodDef Buffer_methods[] = {
@@ -231,7 +229,10 @@ static PyMethodDef Buffer_methods[] = {
 static PyGetSetDef Buffer_getset[] = {
     {"nbytes", (getter)Buffer_get_nbytes, NULL, "size in bytes", NULL},
     {"alignment", (getter)Buffer_get_alignment, NULL, "alignment of the start, in bytes", NULL},
-    {"tier", (getter)Buffer_get_tier, NULL, "memory tier: host or external", NULL},
+    {"tier", (getter)Buffer_get_tier, NULL,
+     "memory tier: host, pinned, device or external (pinned asked for with no usable CUDA "
+     "device gives host)", NULL},
+    {"device", (getter)Buffer_get_device, NULL, "CUDA ordinal of device memory, else -1", NULL},
     {"address", (getter)Buffer_get_address, NULL, "address of the first byte", NULL},
     {"exports", (getter)Buffer_get_exports, NULL,
      "DLPack exports of this buffer that their consumers still hold", NULL},
@@ -244,7 +245,7 @@ static PyMemberDef Buffer_members[] = {
 };
 
 static PyType_Slot Buffer_slots[] = {
-    {Py_tp_doc, "Buffer(nbytes, tier='host', *, alignment=64, zero=True)\n\n"
+    {Py_tp_doc, "Buffer(nbytes, tier='host', *, device=-1, alignment=64, zero=True)\n\n"
                 "An owned, aligned allocation. Views of it are exported through DLPack\n"
                 "without copying, and each export keeps the buffer alive."},
     {Py_tp_new, Buffer_new},
@@ -476,8 +477,7 @@ static void fill_tensor(DLTensor *tensor, rlhfz_BufferView *view, rlhfz_Buffer *
     size_t itemsize = rlhfz_dtype_size(view->dtype);
     tensor->data = buffer->data;
     tensor->byte_offset = (uint64_t)(view->offset * itemsize);
-    tensor->device.device_type = kDLCPU;
-    tensor->device.device_id = 0;
+    tensor->device = rlhfz_tier_dl_device(buffer->tier, buffer->device);
     tensor->ndim = view->ndim;
     tensor->dtype = rlhfz_dtype_to_dl(view->dtype);
     int64_t stride = 1;
@@ -498,20 +498,42 @@ static PyObject *BufferView_dlpack(rlhfz_BufferView *self, PyObject *const *args
     if (rlhfz_parse_args("__dlpack__", args, nargs, kwnames, names, 0, 0, slots) < 0)
         return NULL;
     PyObject *stream = slots[0], *max_version = slots[1], *dl_device = slots[2], *copy = slots[3];
-    /* Host memory needs no stream ordering; the array API asks for None here. */
+    rlhfz_Buffer *source = self->buffer;
+    DLDevice here = rlhfz_tier_dl_device(source->tier, source->device);
     if (stream != NULL && stream != Py_None) {
-        PyErr_Format(PyExc_BufferError, "stream must be None for host memory, not %R", stream);
-        return NULL;
+        /* Host memory needs no stream ordering; the array API asks for None. */
+        if (here.device_type != kDLCUDA) {
+            PyErr_Format(PyExc_BufferError, "stream must be None for host memory, not %R",
+                         stream);
+            return NULL;
+        }
+        if (!PyLong_Check(stream)) {
+            PyErr_Format(PyExc_TypeError, "stream must be None or an int, not %.200s",
+                         Py_TYPE(stream)->tp_name);
+            return NULL;
+        }
+        long long handle = PyLong_AsLongLong(stream);
+        if (handle == -1 && PyErr_Occurred())
+            return NULL;
+        /* The array API: -1 asks for no synchronization, 1 and 2 name the
+         * legacy and per-thread default streams, 0 is ambiguous. rlhfz
+         * finishes its own work on a buffer before the call that queued it
+         * returns, so any consumer stream may use the memory at once. */
+        if (handle == 0 || handle < -1) {
+            PyErr_Format(PyExc_BufferError, "stream %lld is not valid for CUDA memory (use None, "
+                         "-1, 1 for the legacy default stream, 2, or a stream handle)", handle);
+            return NULL;
+        }
     }
     if (dl_device != NULL && dl_device != Py_None) {
         long device_type, device_id;
         if (parse_int_pair(dl_device, "dl_device", &device_type, &device_id) < 0)
             return NULL;
-        if (device_type != kDLCPU || device_id != 0) {
+        if (device_type != here.device_type || device_id != here.device_id) {
             PyErr_Format(PyExc_BufferError,
-                         "cannot export host memory to DLPack device type %ld (id %ld) without a "
-                         "copy across devices; only kDLCPU (1), id 0, is supported",
-                         device_type, device_id);
+                         "cannot export memory of DLPack device (%d, %d) to device type %ld "
+                         "(id %ld) without a copy across devices", (int)here.device_type,
+                         (int)here.device_id, device_type, device_id);
             return NULL;
         }
     }
@@ -529,7 +551,6 @@ static PyObject *BufferView_dlpack(rlhfz_BufferView *self, PyObject *const *args
             return NULL;
     }
 
-    rlhfz_Buffer *source = self->buffer;
     rlhfz_BufferView copied_view = *self;
     rlhfz_BufferView *view = self;
     rlhfz_Buffer *buffer = source;
@@ -538,10 +559,18 @@ static PyObject *BufferView_dlpack(rlhfz_BufferView *self, PyObject *const *args
         rlhfz_state *state = rlhfz_state_from_type(Py_TYPE(self));
         if (state == NULL)
             return NULL;
-        buffer = rlhfz_buffer_alloc(state, nbytes, source->alignment < 64 ? 64 : source->alignment, 0);
+        rlhfz_tier tier = source->tier == RLHFZ_TIER_EXTERNAL ? RLHFZ_TIER_HOST : source->tier;
+        size_t alignment = source->alignment < 64 ? 64 : source->alignment;
+        buffer = rlhfz_buffer_alloc_in(state, tier, source->device, nbytes,
+                                       alignment > 256 && tier != RLHFZ_TIER_HOST ? 256 : alignment,
+                                       0);
         if (buffer == NULL)
             return NULL;
-        memcpy(buffer->data, (char *)source->data + self->offset * rlhfz_dtype_size(self->dtype), nbytes);
+        const char *from = (const char *)source->data + self->offset * rlhfz_dtype_size(self->dtype);
+        if (rlhfz_tier_copy(buffer->data, from, nbytes, tier == RLHFZ_TIER_DEVICE) < 0) {
+            Py_DECREF(buffer);
+            return NULL;
+        }
         copied_view.offset = 0;
         view = &copied_view;
     } else {
@@ -590,7 +619,8 @@ static PyObject *BufferView_dlpack(rlhfz_BufferView *self, PyObject *const *args
 
 static PyObject *BufferView_dlpack_device(rlhfz_BufferView *self, PyObject *unused)
 {
-    return Py_BuildValue("(ii)", (int)kDLCPU, 0);
+    DLDevice here = rlhfz_tier_dl_device(self->buffer->tier, self->buffer->device);
+    return Py_BuildValue("(ii)", (int)here.device_type, (int)here.device_id);
 }
 
 static PyObject *BufferView_get_buffer(rlhfz_BufferView *self, void *c) { return Py_NewRef(self->buffer); }

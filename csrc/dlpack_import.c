@@ -211,13 +211,17 @@ int rlhfz_array_from_object(rlhfz_state *state, PyObject *obj, const char *name,
     /* rlhfz's own views need no capsule round trip: this is the hot path. */
     if (Py_TYPE(obj) == state->BufferView_type) {
         rlhfz_BufferView *view = (rlhfz_BufferView *)obj;
+        if (view->buffer->tier == RLHFZ_TIER_DEVICE) {
+            PyErr_Format(PyExc_BufferError, "%s is on device cuda:%d; this kernel needs host "
+                         "memory (cpu or cuda_host)", name, view->buffer->device);
+            return -1;
+        }
         out->data = (char *)view->buffer->data + view->offset * rlhfz_dtype_size(view->dtype);
         out->dtype = view->dtype;
         out->numel = view->numel;
         out->ndim = view->ndim;
         memcpy(out->shape, view->shape, sizeof(int64_t) * (size_t)view->ndim);
-        out->device.device_type = kDLCPU;
-        out->device.device_id = 0;
+        out->device = rlhfz_tier_dl_device(view->buffer->tier, view->buffer->device);
         out->keepalive = Py_NewRef(obj);
         return 0;
     }

@@ -1,6 +1,11 @@
 /* module.c: the rlhfz._C module: multi-phase init, module state, and the
  * entry points that describe the build and set the CPU threads. */
 #include "rlhfz_module.h"
+#include "nccl_comm.h"
+
+#ifdef RLHFZ_WITH_CUDA
+#include "rlhfz_cuda.h"
+#endif
 
 #ifndef RLHFZ_VERSION
 #define RLHFZ_VERSION "0.1.0"
@@ -97,7 +102,39 @@ static PyObject *describe_dlpack(PyObject *module, PyObject *obj)
     return rlhfz_describe_dlpack(module, obj);
 }
 
+static PyObject *cuda_mem_get_info(PyObject *module, PyObject *arg)
+{
+    long device = PyLong_AsLong(arg);
+    if (device == -1 && PyErr_Occurred())
+        return NULL;
+    if (device < 0 || device > 1 << 16) {
+        PyErr_Format(PyExc_ValueError, "device must be a CUDA ordinal >= 0, not %ld", device);
+        return NULL;
+    }
+    const char *reason = NULL;
+    if (!rlhfz_cuda_usable(&reason)) {
+        PyErr_Format(PyExc_RuntimeError, "cuda_mem_get_info: %s", reason);
+        return NULL;
+    }
+#ifdef RLHFZ_WITH_CUDA
+    size_t free_bytes = 0, total_bytes = 0;
+    rlhfz_status status;
+    Py_BEGIN_ALLOW_THREADS
+    status = rlhfz_cuda_mem_get_info((int)device, &free_bytes, &total_bytes);
+    Py_END_ALLOW_THREADS
+    if (status != RLHFZ_OK) {
+        rlhfz_raise_cuda("cuda_mem_get_info");
+        return NULL;
+    }
+    return Py_BuildValue("(nn)", (Py_ssize_t)free_bytes, (Py_ssize_t)total_bytes);
+#else
+    return NULL;
+#endif
+}
+
 static PyMethodDef module_methods[] = {
+    {"cuda_mem_get_info", cuda_mem_get_info, METH_O,
+     "cuda_mem_get_info(device) -> (free, total): bytes of the device, as the driver sees them."},
     {"build_info", build_info, METH_NOARGS,
      "build_info() -> dict: version, CUDA and NCCL availability, SIMD level, threads."},
     {"set_num_threads", set_num_threads, METH_O, "set_num_threads(n): threads for CPU kernels."},
@@ -114,6 +151,8 @@ static int module_exec(PyObject *module)
     if (rlhfz_buffer_add_types(module, state) < 0)
         return -1;
     if (PyModule_AddFunctions(module, rlhfz_cpu_ops_methods) < 0)
+        return -1;
+    if (rlhfz_nccl_add_types(module) < 0)
         return -1;
     if (PyModule_AddStringConstant(module, "__version__", RLHFZ_VERSION) < 0)
         return -1;

@@ -25,7 +25,9 @@ typedef struct {
 
 typedef enum {
     RLHFZ_TIER_HOST = 0,
-    RLHFZ_TIER_EXTERNAL = 1   /* memory imported through DLPack, owned by its producer */
+    RLHFZ_TIER_EXTERNAL = 1,  /* memory imported through DLPack, owned by its producer */
+    RLHFZ_TIER_PINNED = 2,    /* page-locked host memory (cudaHostAlloc) */
+    RLHFZ_TIER_DEVICE = 3     /* CUDA device memory (cudaMalloc) */
 } rlhfz_tier;
 
 typedef struct {
@@ -34,6 +36,7 @@ typedef struct {
     size_t nbytes;
     size_t alignment;
     rlhfz_tier tier;
+    int device;                  /* CUDA ordinal of device memory, else -1 */
     Py_ssize_t exports;          /* DLPack exports not yet released by their consumers */
     /* tier external: the imported managed tensor, released on dealloc */
     void *external;
@@ -69,6 +72,22 @@ rlhfz_state *rlhfz_state_from_type(PyTypeObject *type);
 /* buffer.c */
 int rlhfz_buffer_add_types(PyObject *module, rlhfz_state *state);
 rlhfz_Buffer *rlhfz_buffer_alloc(rlhfz_state *state, size_t nbytes, size_t alignment, int zero);
+rlhfz_Buffer *rlhfz_buffer_alloc_in(rlhfz_state *state, rlhfz_tier tier, int device,
+                                    size_t nbytes, size_t alignment, int zero);
+
+/* memory_tiers.c: allocation, release, zeroing and copies per tier. Each
+ * returns 0, or -1 with an exception set. rlhfz_tier_alloc may change a
+ * pinned request to host when no CUDA device is usable. */
+int rlhfz_cuda_usable(const char **reason);
+int rlhfz_raise_cuda(const char *what);
+const char *rlhfz_tier_name(rlhfz_tier tier);
+int rlhfz_tier_from_name(const char *name, rlhfz_tier *tier);
+DLDevice rlhfz_tier_dl_device(rlhfz_tier tier, int device);
+int rlhfz_tier_alloc(rlhfz_tier *tier, int *device, size_t nbytes, size_t alignment, int zero,
+                     void **data);
+void rlhfz_tier_free(rlhfz_tier tier, int device, void *data);
+int rlhfz_tier_zero(rlhfz_tier tier, void *data, size_t nbytes);
+int rlhfz_tier_copy(void *dst, const void *src, size_t nbytes, int any_cuda);
 
 /* dlpack_import.c */
 int rlhfz_array_from_object(rlhfz_state *state, PyObject *obj, const char *name,

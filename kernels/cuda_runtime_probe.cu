@@ -6,6 +6,7 @@
  */
 #include <cuda_runtime.h>
 
+#include "cuda_check.cuh"
 #include "rlhfz_cuda.h"
 #include "rlhfz_kernels.h"
 
@@ -27,12 +28,12 @@ extern "C" rlhfz_status rlhfz_cuda_device_count(int *count, const char **error)
     int n = 0;
     cudaError_t err = cudaGetDeviceCount(&n);
     if (err != cudaSuccess) {
-        /* reset the last error, so a later launch check does not see this one */
-        (void)cudaGetLastError();
         *count = 0;
         if (error)
             *error = cudaGetErrorString(err);
-        return RLHFZ_ERR_CUDA;
+        /* also this thread's error string; clears the last error, so a later
+         * launch check does not see this one */
+        return rlhfz_cuda_fail(err);
     }
     *count = n;
     if (error)
@@ -58,7 +59,6 @@ extern "C" rlhfz_status rlhfz_fill_cuda(float *x, size_t n, float value, void *s
     size_t blocks = (n + block - 1) / block;
     int grid = blocks < 65535 ? (int)blocks : 65535; /* grid-stride loop covers the rest */
     rlhfz_fill_kernel<<<grid, block, 0, (cudaStream_t)stream>>>(x, n, value);
-    if (cudaGetLastError() != cudaSuccess)
-        return RLHFZ_ERR_CUDA;
+    RLHFZ_CUDA_CHECK_LAUNCH();
     return RLHFZ_OK;
 }

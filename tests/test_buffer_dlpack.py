@@ -23,6 +23,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import rlhfz
 from rlhfz import _C
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -764,8 +765,9 @@ def test_buffer_attributes_and_pinned_fallback():
     ((64,), dict(alignment=4), ValueError, "power of two >= 8, not 4"),
     ((64,), dict(alignment=0), ValueError, "alignment must be positive, not 0"),
     ((64,), dict(alignment=-64), ValueError, "alignment must be positive, not -64"),
-    ((64, "disk"), {}, ValueError, "tier disk is not available"),
-    ((64, "device"), {}, ValueError, "available: host, pinned"),
+    ((64, "disk"), {}, ValueError, "tier must be 'host', 'pinned' or 'device', not 'disk'"),
+    ((64, "host"), dict(device=0), ValueError, "device must be -1 .* for the device tier"),
+    ((64, "device"), dict(device=-2), ValueError, "device must be -1"),
     ((64, None), {}, TypeError, "must be str"),
     ((64.0,), {}, TypeError, "integer"),
     ((64, "host", 64), {}, TypeError, "positional"),
@@ -773,6 +775,15 @@ def test_buffer_attributes_and_pinned_fallback():
 def test_buffer_constructor_rejections(args, kwargs, error, message):
     with pytest.raises(error, match=message):
         _C.Buffer(*args, **kwargs)
+
+
+@pytest.mark.skipif(rlhfz.build_info()["cuda"], reason="a CUDA device is usable here")
+def test_device_tier_without_a_cuda_device_says_why():
+    with pytest.raises(RuntimeError, match="device tier needs"):
+        _C.Buffer(64, "device")
+    with pytest.raises(RuntimeError, match="cuda_mem_get_info"):
+        _C.cuda_mem_get_info(0)
+    assert _C.Buffer(64, "pinned").tier == "host"     # pinned falls back to pageable
 
 
 def test_huge_buffer_is_a_memoryerror():

@@ -1,0 +1,229 @@
+/* memory_tiers.c: where a Buffer's bytes come from, tier by tier.
+ *
+ * host: aligned malloc. pinned: cudaHostAlloc when a CUDA device is usable,
+ * else host memory (callers see the tier they got). device: cudaMalloc, so
+ * that freeing really returns the memory to the driver. The CUDA calls go
+ * through kernels/rlhfz_cuda.h and exist only in a build with nvcc; without
+ * them the device tier raises and pinned falls back to host.
+ */
+#include "rlhfz_module.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef RLHFZ_WITH_CUDA
+#include "rlhfz_cuda.h"
+#endif
+
+int rlhfz_cuda_usable(const char **reason)
+{
+#ifdef RLHFZ_WITH_CUDA
+    int count = 0;
+    const char *error = NULL;
+    if (rlhfz_cuda_device_count(&count, &error) != RLHFZ_OK) {
+        *reason = error ? error : "the CUDA runtime failed to start";
+        return 0;
+    }
+    if (count == 0) {
+        *reason = "no CUDA device is visible";
+        return 0;
+    }
+    *reason = NULL;
+    return 1;
+#else
+    *reason = "rlhfz was built without CUDA (no nvcc at build time, or RLHFZ_CUDA=0)";
+    return 0;
+#endif
+}
+
+int rlhfz_raise_cuda(const char *what)
+{
+#ifdef RLHFZ_WITH_CUDA
+    PyErr_Format(PyExc_RuntimeError, "%s: CUDA error: %s", what, rlhfz_cuda_error_string());
+#else
+    PyErr_Format(PyExc_RuntimeError, "%s: rlhfz was built without CUDA", what);
+#endif
+    return -1;
+}
+
+const char *rlhfz_tier_name(rlhfz_tier tier)
+{
+    switch (tier) {
+    case RLHFZ_TIER_HOST: return "host";
+    case RLHFZ_TIER_EXTERNAL: return "external";
+    case RLHFZ_TIER_PINNED: return "pinned";
+    case RLHFZ_TIER_DEVICE: return "device";
+    }
+    return "unknown";
+}
+
+int rlhfz_tier_from_name(const char *name, rlhfz_tier *tier)
+{
+    if (strcmp(name, "host") == 0)
+        *tier = RLHFZ_TIER_HOST;
+    else if (strcmp(name, "pinned") == 0)
+        *tier = RLHFZ_TIER_PINNED;
+    else if (strcmp(name, "device") == 0)
+        *tier = RLHFZ_TIER_DEVICE;
+    else {
+        PyErr_Format(PyExc_ValueError, "tier must be 'host', 'pinned' or 'device', not '%s'", name);
+        return -1;
+    }
+    return 0;
+}
+
+DLDevice rlhfz_tier_dl_device(rlhfz_tier tier, int device)
+{
+    DLDevice dl = {kDLCPU, 0};
+    if (tier == RLHFZ_TIER_PINNED)
+        dl.device_type = kDLCUDAHost;
+    else if (tier == RLHFZ_TIER_DEVICE) {
+        dl.device_type = kDLCUDA;
+        dl.device_id = device;
+    }
+    return dl;
+}
+
+int rlhfz_tier_alloc(rlhfz_tier *tier, int *device, size_t nbytes, size_t alignment, int zero,
+                     void **data)
+{
+    *data = NULL;
+    const char *reason = NULL;
+    if (*tier == RLHFZ_TIER_PINNED && !rlhfz_cuda_usable(&reason))
+        *tier = RLHFZ_TIER_HOST;       /* pageable memory works, only slower to copy */
+    if (*tier == RLHFZ_TIER_HOST) {
+        int rc;
+        Py_BEGIN_ALLOW_THREADS
+        rc = posix_memalign(data, alignment, nbytes);
+        if (rc == 0 && zero)
+            memset(*data, 0, nbytes);
+        Py_END_ALLOW_THREADS
+        if (rc != 0) {
+            *data = NULL;
+            PyErr_Format(PyExc_MemoryError, "could not allocate %zu bytes of host memory", nbytes);
+            return -1;
+        }
+        *device = -1;
+        return 0;
+    }
+#ifdef RLHFZ_WITH_CUDA
+    if (*tier == RLHFZ_TIER_DEVICE && !rlhfz_cuda_usable(&reason)) {
+        PyErr_Format(PyExc_RuntimeError, "the device tier needs a CUDA device: %s", reason);
+        return -1;
+    }
+    /* cudaMalloc and cudaHostAlloc align to at least 256 bytes. */
+    if (alignment > 256) {
+        PyErr_Format(PyExc_ValueError, "alignment %zu is more than CUDA allocations give (256)",
+                     alignment);
+        return -1;
+    }
+    rlhfz_status status;
+    if (*tier == RLHFZ_TIER_PINNED) {
+        Py_BEGIN_ALLOW_THREADS
+        status = rlhfz_cuda_host_alloc(data, nbytes);
+        if (status == RLHFZ_OK && zero)
+            memset(*data, 0, nbytes);
+        Py_END_ALLOW_THREADS
+        if (status != RLHFZ_OK) {
+            *data = NULL;
+            PyErr_Format(PyExc_MemoryError, "could not pin %zu bytes of host memory: %s", nbytes,
+                         rlhfz_cuda_error_string());
+            return -1;
+        }
+        *device = -1;
+        return 0;
+    }
+    if (*device < 0 && rlhfz_cuda_get_device(device) != RLHFZ_OK)
+        return rlhfz_raise_cuda("Buffer");
+    Py_BEGIN_ALLOW_THREADS
+    status = rlhfz_cuda_malloc(data, nbytes, *device);
+    if (status == RLHFZ_OK && zero) {
+        /* on the legacy default stream, finished before anyone can see it */
+        status = rlhfz_cuda_memset(*data, 0, nbytes, NULL);
+        if (status == RLHFZ_OK)
+            status = rlhfz_cuda_stream_synchronize(NULL);
+        if (status != RLHFZ_OK) {
+            rlhfz_cuda_free(*data, *device);
+            *data = NULL;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (status != RLHFZ_OK) {
+        *data = NULL;
+        PyErr_Format(PyExc_MemoryError, "could not allocate %zu bytes on CUDA device %d: %s",
+                     nbytes, *device, rlhfz_cuda_error_string());
+        return -1;
+    }
+    return 0;
+#else
+    (void)reason;
+    PyErr_SetString(PyExc_RuntimeError, "the device tier needs CUDA, and rlhfz was built "
+                    "without it (no nvcc at build time, or RLHFZ_CUDA=0)");
+    return -1;
+#endif
+}
+
+void rlhfz_tier_free(rlhfz_tier tier, int device, void *data)
+{
+    if (data == NULL)
+        return;
+    switch (tier) {
+    case RLHFZ_TIER_HOST:
+        free(data);
+        return;
+#ifdef RLHFZ_WITH_CUDA
+    case RLHFZ_TIER_PINNED:
+        rlhfz_cuda_host_free(data);
+        return;
+    case RLHFZ_TIER_DEVICE:
+        rlhfz_cuda_free(data, device);
+        return;
+#endif
+    default:
+        return;     /* external memory belongs to its producer */
+    }
+}
+
+int rlhfz_tier_zero(rlhfz_tier tier, void *data, size_t nbytes)
+{
+    if (tier != RLHFZ_TIER_DEVICE) {
+        Py_BEGIN_ALLOW_THREADS
+        memset(data, 0, nbytes);
+        Py_END_ALLOW_THREADS
+        return 0;
+    }
+#ifdef RLHFZ_WITH_CUDA
+    rlhfz_status status;
+    Py_BEGIN_ALLOW_THREADS
+    status = rlhfz_cuda_memset(data, 0, nbytes, NULL);
+    if (status == RLHFZ_OK)
+        status = rlhfz_cuda_stream_synchronize(NULL);
+    Py_END_ALLOW_THREADS
+    if (status != RLHFZ_OK)
+        return rlhfz_raise_cuda("zero_");
+    return 0;
+#else
+    return rlhfz_raise_cuda("zero_");
+#endif
+}
+
+int rlhfz_tier_copy(void *dst, const void *src, size_t nbytes, int any_cuda)
+{
+    if (!any_cuda) {
+        Py_BEGIN_ALLOW_THREADS
+        memcpy(dst, src, nbytes);
+        Py_END_ALLOW_THREADS
+        return 0;
+    }
+#ifdef RLHFZ_WITH_CUDA
+    rlhfz_status status;
+    Py_BEGIN_ALLOW_THREADS
+    status = rlhfz_cuda_memcpy(dst, src, nbytes, NULL, 1);
+    Py_END_ALLOW_THREADS
+    if (status != RLHFZ_OK)
+        return rlhfz_raise_cuda("copy");
+    return 0;
+#else
+    return rlhfz_raise_cuda("copy");
+#endif
+}

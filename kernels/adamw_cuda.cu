@@ -1,0 +1,166 @@
+/* adamw_cuda.cu: the fused AdamW step on the GPU, one launch per shard.
+ *
+ * The per-element math is rlhfz_adamw_reference's, operation for operation,
+ * written once in rlhfz_adamw_element and used by both the vector body and
+ * the scalar tail. Each operation is an explicit round-to-nearest intrinsic:
+ * nvcc contracts a * b + c into one FMA by default, which rounds once where
+ * the reference (built with -ffp-contract=off) rounds twice. Division and
+ * square root are the correctly rounded ones, so finite results match the
+ * CPU bit for bit.
+ */
+#include <cuda_runtime.h>
+
+#include "cuda_check.cuh"
+#include "cuda_elementwise.cuh"
+#include "rlhfz_cuda.h"
+#include "rlhfz_kernels.h"
+
+/* The param_out kind of a kernel with no param_out. */
+#define OUT_NONE (-1)
+
+/* ---- kernels -------------------------------------------------------------- */
+
+/* One element of the step: the grad as read (fp32), and the master weight
+ * and both moments, updated in place. */
+__device__ __forceinline__ void rlhfz_adamw_element(const rlhfz_adamw_hparams &hp, float grad,
+                                                    float &param, float &exp_avg,
+                                                    float &exp_avg_sq)
+{
+    float g = __fmul_rn(grad, hp.grad_scale);
+    if (hp.maximize)
+        g = -g;
+
+    /* decoupled weight decay */
+    float p = __fmul_rn(param, hp.decay);
+
+    /* update the first moment: torch's lerp(m, g, 1 - beta1), m + w * (g - m) */
+    float m = exp_avg;
+    m = __fadd_rn(m, __fmul_rn(hp.beta1_weight, __fsub_rn(g, m)));
+
+    /* update the second moment: v * beta2 + ((1 - beta2) * g) * g */
+    float v = __fmul_rn(exp_avg_sq, hp.beta2);
+    v = __fadd_rn(v, __fmul_rn(__fmul_rn(hp.beta2_weight, g), g));
+
+    /* the bias-corrected step: sqrt(v) / sqrt(1 - beta2^t) + eps */
+    float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), hp.bias_correction2_sqrt), hp.eps);
+    p = __fsub_rn(p, __fmul_rn(hp.step_size, __fdiv_rn(m, denom)));
+
+    param = p;
+    exp_avg = m;
+    exp_avg_sq = v;
+}
+
+/* G: grad dtype; OUT: param_out dtype, or OUT_NONE. vector: every pointer
+ * is 16-byte aligned (cuda_elementwise.cuh describes the layout). */
+template <int G, int OUT>
+__global__ void __launch_bounds__(RLHFZ_BLOCK)
+rlhfz_adamw_kernel(float *master, float *exp_avg, float *exp_avg_sq, const void *grad,
+                   void *param_out, size_t n, rlhfz_adamw_hparams hp_host,
+                   const rlhfz_adamw_hparams *hp_device, const int *skip_if_nonzero, bool vector)
+{
+    /* a step the caller called off on the device (say, an Inf in the grads):
+     * leave params and state as they are */
+    if (skip_if_nonzero && *skip_if_nonzero != 0)
+        return;
+    /* read once into registers; a captured graph sees the values of each replay */
+    const rlhfz_adamw_hparams hp = hp_device ? *hp_device : hp_host;
+
+    const size_t thread = rlhfz_thread_index();
+    const size_t stride = rlhfz_thread_count();
+    size_t done = 0;
+
+    if (vector) {
+        const size_t steps = n / RLHFZ_VEC;
+        for (size_t s = thread; s < steps; s += stride) {
+            const size_t i = s * RLHFZ_VEC;
+            float g[RLHFZ_VEC], p[RLHFZ_VEC], m[RLHFZ_VEC], v[RLHFZ_VEC];
+            rlhfz_load8<G>(grad, i, g);
+            rlhfz_load8<RLHFZ_DTYPE_F32>(master, i, p);
+            rlhfz_load8<RLHFZ_DTYPE_F32>(exp_avg, i, m);
+            rlhfz_load8<RLHFZ_DTYPE_F32>(exp_avg_sq, i, v);
+#pragma unroll
+            for (int k = 0; k < RLHFZ_VEC; k++)
+                rlhfz_adamw_element(hp, g[k], p[k], m[k], v[k]);
+            rlhfz_store8<RLHFZ_DTYPE_F32>(master, i, p);
+            rlhfz_store8<RLHFZ_DTYPE_F32>(exp_avg, i, m);
+            rlhfz_store8<RLHFZ_DTYPE_F32>(exp_avg_sq, i, v);
+            if constexpr (OUT != OUT_NONE)
+                rlhfz_store8<OUT>(param_out, i, p);
+        }
+        done = steps * RLHFZ_VEC;
+    }
+
+    /* the tail after the vector steps, or everything when unaligned */
+    for (size_t i = done + thread; i < n; i += stride) {
+        float p = master[i], m = exp_avg[i], v = exp_avg_sq[i];
+        rlhfz_adamw_element(hp, rlhfz_load<G>(grad, i), p, m, v);
+        master[i] = p;
+        exp_avg[i] = m;
+        exp_avg_sq[i] = v;
+        if constexpr (OUT != OUT_NONE)
+            rlhfz_store<OUT>(param_out, i, p);
+    }
+}
+
+/* ---- host side ------------------------------------------------------------ */
+
+template <int G, int OUT>
+static void launch_adamw(const rlhfz_adamw_shard *shard, const rlhfz_adamw_hparams &hp,
+                         const rlhfz_adamw_hparams *hp_device, const int *skip_if_nonzero,
+                         bool vector, cudaStream_t stream)
+{
+    unsigned int grid = rlhfz_elementwise_grid(shard->n, vector);
+    rlhfz_adamw_kernel<G, OUT><<<grid, RLHFZ_BLOCK, 0, stream>>>(
+        shard->master, shard->exp_avg, shard->exp_avg_sq, shard->grad, shard->param_out,
+        shard->n, hp, hp_device, skip_if_nonzero, vector);
+}
+
+/* One kernel per (grad dtype, param_out kind), all fixed at compile time. */
+template <int G>
+static void launch_adamw_for_grad(const rlhfz_adamw_shard *shard, const rlhfz_adamw_hparams &hp,
+                                  const rlhfz_adamw_hparams *hp_device,
+                                  const int *skip_if_nonzero, bool vector, cudaStream_t stream)
+{
+    if (!shard->param_out)
+        launch_adamw<G, OUT_NONE>(shard, hp, hp_device, skip_if_nonzero, vector, stream);
+    else if (shard->param_dtype == RLHFZ_DTYPE_BF16)
+        launch_adamw<G, RLHFZ_DTYPE_BF16>(shard, hp, hp_device, skip_if_nonzero, vector, stream);
+    else if (shard->param_dtype == RLHFZ_DTYPE_F16)
+        launch_adamw<G, RLHFZ_DTYPE_F16>(shard, hp, hp_device, skip_if_nonzero, vector, stream);
+    else
+        launch_adamw<G, RLHFZ_DTYPE_F32>(shard, hp, hp_device, skip_if_nonzero, vector, stream);
+}
+
+extern "C" rlhfz_status rlhfz_adamw_cuda(const rlhfz_adamw_shard *shard,
+                                         const rlhfz_adamw_hparams *hp,
+                                         const rlhfz_adamw_hparams *hp_device,
+                                         const int *skip_if_nonzero, void *stream)
+{
+    if (!shard || (!hp && !hp_device))
+        return RLHFZ_ERR_INVALID;
+    if (!rlhfz_dtype_known(shard->grad_dtype) ||
+        (shard->param_out && !rlhfz_dtype_known(shard->param_dtype)))
+        return RLHFZ_ERR_UNSUPPORTED;
+    if (shard->n == 0)
+        return RLHFZ_OK; /* empty shards may have null data */
+    if (!shard->master || !shard->exp_avg || !shard->exp_avg_sq || !shard->grad)
+        return RLHFZ_ERR_INVALID;
+
+    /* with hp_device the kernel ignores this copy; zeros keep it defined */
+    rlhfz_adamw_hparams host = {};
+    if (hp)
+        host = *hp;
+    const bool vector = rlhfz_aligned16(shard->master) && rlhfz_aligned16(shard->exp_avg) &&
+                        rlhfz_aligned16(shard->exp_avg_sq) && rlhfz_aligned16(shard->grad) &&
+                        rlhfz_aligned16(shard->param_out);
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+
+    if (shard->grad_dtype == RLHFZ_DTYPE_BF16)
+        launch_adamw_for_grad<RLHFZ_DTYPE_BF16>(shard, host, hp_device, skip_if_nonzero, vector, s);
+    else if (shard->grad_dtype == RLHFZ_DTYPE_F16)
+        launch_adamw_for_grad<RLHFZ_DTYPE_F16>(shard, host, hp_device, skip_if_nonzero, vector, s);
+    else
+        launch_adamw_for_grad<RLHFZ_DTYPE_F32>(shard, host, hp_device, skip_if_nonzero, vector, s);
+    RLHFZ_CUDA_CHECK_LAUNCH();
+    return RLHFZ_OK;
+}

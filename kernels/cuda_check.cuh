@@ -1,0 +1,30 @@
+/* cuda_check.cuh: error handling shared by rlhfz's CUDA sources (internal).
+ *
+ * A failing runtime call is recorded as this thread's error string (what
+ * rlhfz_cuda_error_string returns), the runtime's last error is cleared so
+ * that a later launch check does not report it again, and the caller
+ * returns RLHFZ_ERR_CUDA.
+ */
+#ifndef RLHFZ_CUDA_CHECK_CUH
+#define RLHFZ_CUDA_CHECK_CUH
+
+#include <cuda_runtime.h>
+
+#include "rlhfz_kernels.h"
+
+/* cuda_error.cu: records err for this thread, clears the runtime's last
+ * error, and returns RLHFZ_ERR_CUDA. */
+extern "C" rlhfz_status rlhfz_cuda_fail(cudaError_t err);
+
+/* Returns RLHFZ_ERR_CUDA from the enclosing function if call fails. */
+#define RLHFZ_CUDA_CHECK(call)                                                  \
+    do {                                                                        \
+        cudaError_t rlhfz_check_err_ = (call);                                  \
+        if (rlhfz_check_err_ != cudaSuccess)                                    \
+            return rlhfz_cuda_fail(rlhfz_check_err_);                           \
+    } while (0)
+
+/* After a launch: did it start? (Its completion is not waited for.) */
+#define RLHFZ_CUDA_CHECK_LAUNCH() RLHFZ_CUDA_CHECK(cudaGetLastError())
+
+#endif /* RLHFZ_CUDA_CHECK_CUH */

@@ -1,0 +1,192 @@
+/* cuda_elementwise.cuh: element access by dtype and the launch shape shared
+ * by rlhfz's CUDA kernels (internal).
+ *
+ * Every kernel reads and writes its arrays as fp32 values through these
+ * helpers, one element at a time or RLHFZ_VEC at a time with 16-byte loads
+ * and stores. Conversions round as half_convert.h does: to nearest even
+ * (the hardware's cvt.rn), and a NaN stays a NaN, made quiet, with the top
+ * of its payload kept, so a cast gives the CPU's bits even for NaNs.
+ *
+ * The layout every elementwise kernel follows: when all of its pointers are
+ * 16-byte aligned, steps of RLHFZ_VEC elements [0, n / RLHFZ_VEC *
+ * RLHFZ_VEC) go to threads by a grid-stride loop, then the last n %
+ * RLHFZ_VEC elements one each; otherwise all n one each. Either way every
+ * element is handled exactly once.
+ */
+#ifndef RLHFZ_CUDA_ELEMENTWISE_CUH
+#define RLHFZ_CUDA_ELEMENTWISE_CUH
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "rlhfz_kernels.h"
+
+/* Elements per vector step: 16 bytes of 16-bit values, two float4s of fp32. */
+#define RLHFZ_VEC 8
+/* Threads per block of every kernel here. */
+#define RLHFZ_BLOCK 256
+/* Most blocks of an elementwise grid; the grid-stride loop covers the rest
+ * (4096 x 256 threads keep every SM of an H100 busy for several waves). */
+#define RLHFZ_MAX_BLOCKS 4096
+
+/* ---- conversions ---------------------------------------------------------- */
+
+/* bf16 is the top half of an fp32: widening is exact, NaN payload and all. */
+__device__ __forceinline__ float rlhfz_bf16_bits_to_f32(unsigned short h)
+{
+    return __uint_as_float((unsigned int)h << 16);
+}
+
+__device__ __forceinline__ float rlhfz_f16_bits_to_f32(unsigned short h)
+{
+    unsigned int bits = h;
+    if ((bits & 0x7FFFu) > 0x7C00u) /* NaN: quiet, the payload shifted up */
+        return __uint_as_float(((bits & 0x8000u) << 16) | 0x7FC00000u | ((bits & 0x3FFu) << 13));
+    return __half2float(__ushort_as_half(h));
+}
+
+__device__ __forceinline__ unsigned short rlhfz_f32_to_bf16_bits(float x)
+{
+    unsigned int bits = __float_as_uint(x);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) /* NaN: set the quiet bit */
+        return (unsigned short)((bits >> 16) | 0x0040u);
+    return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+}
+
+__device__ __forceinline__ unsigned short rlhfz_f32_to_f16_bits(float x)
+{
+    unsigned int bits = __float_as_uint(x);
+    unsigned int magnitude = bits & 0x7FFFFFFFu;
+    if (magnitude > 0x7F800000u) /* NaN: keep the top payload bits, make it quiet */
+        return (unsigned short)(((bits >> 16) & 0x8000u) | 0x7E00u | ((magnitude >> 13) & 0x3FFu));
+    return __half_as_ushort(__float2half_rn(x));
+}
+
+/* A 16-bit value from its bits, as fp32; D is a 16-bit dtype. */
+template <int D>
+__device__ __forceinline__ float rlhfz_half_to_f32(unsigned short h)
+{
+    if constexpr (D == RLHFZ_DTYPE_BF16)
+        return rlhfz_bf16_bits_to_f32(h);
+    else
+        return rlhfz_f16_bits_to_f32(h);
+}
+
+template <int D>
+__device__ __forceinline__ unsigned short rlhfz_f32_to_half(float x)
+{
+    if constexpr (D == RLHFZ_DTYPE_BF16)
+        return rlhfz_f32_to_bf16_bits(x);
+    else
+        return rlhfz_f32_to_f16_bits(x);
+}
+
+/* ---- one element ---------------------------------------------------------- */
+
+template <int D>
+__device__ __forceinline__ float rlhfz_load(const void *x, size_t i)
+{
+    if constexpr (D == RLHFZ_DTYPE_F32)
+        return static_cast<const float *>(x)[i];
+    else
+        return rlhfz_half_to_f32<D>(static_cast<const unsigned short *>(x)[i]);
+}
+
+template <int D>
+__device__ __forceinline__ void rlhfz_store(void *x, size_t i, float value)
+{
+    if constexpr (D == RLHFZ_DTYPE_F32)
+        static_cast<float *>(x)[i] = value;
+    else
+        static_cast<unsigned short *>(x)[i] = rlhfz_f32_to_half<D>(value);
+}
+
+/* ---- RLHFZ_VEC elements, 16-byte aligned ---------------------------------- */
+
+/* Elements i .. i + 7; x must be 16-byte aligned and i a multiple of 8. */
+template <int D>
+__device__ __forceinline__ void rlhfz_load8(const void *x, size_t i, float v[RLHFZ_VEC])
+{
+    if constexpr (D == RLHFZ_DTYPE_F32) {
+        const float4 *p = reinterpret_cast<const float4 *>(static_cast<const float *>(x) + i);
+        float4 a = p[0];
+        float4 b = p[1];
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+        v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+    } else {
+        /* eight 16-bit values, two to a word, the lower index in the low half */
+        uint4 raw = *reinterpret_cast<const uint4 *>(static_cast<const unsigned short *>(x) + i);
+        unsigned int words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            v[2 * k] = rlhfz_half_to_f32<D>((unsigned short)(words[k] & 0xFFFFu));
+            v[2 * k + 1] = rlhfz_half_to_f32<D>((unsigned short)(words[k] >> 16));
+        }
+    }
+}
+
+template <int D>
+__device__ __forceinline__ void rlhfz_store8(void *x, size_t i, const float v[RLHFZ_VEC])
+{
+    if constexpr (D == RLHFZ_DTYPE_F32) {
+        float4 *p = reinterpret_cast<float4 *>(static_cast<float *>(x) + i);
+        p[0] = make_float4(v[0], v[1], v[2], v[3]);
+        p[1] = make_float4(v[4], v[5], v[6], v[7]);
+    } else {
+        unsigned int words[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++)
+            words[k] = (unsigned int)rlhfz_f32_to_half<D>(v[2 * k]) |
+                       ((unsigned int)rlhfz_f32_to_half<D>(v[2 * k + 1]) << 16);
+        *reinterpret_cast<uint4 *>(static_cast<unsigned short *>(x) + i) =
+            make_uint4(words[0], words[1], words[2], words[3]);
+    }
+}
+
+/* ---- indexing ------------------------------------------------------------- */
+
+__device__ __forceinline__ size_t rlhfz_thread_index(void)
+{
+    return (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+}
+
+__device__ __forceinline__ size_t rlhfz_thread_count(void)
+{
+    return (size_t)gridDim.x * blockDim.x;
+}
+
+/* ---- host side ------------------------------------------------------------ */
+
+static inline bool rlhfz_dtype_known(rlhfz_dtype dtype)
+{
+    return dtype == RLHFZ_DTYPE_F32 || dtype == RLHFZ_DTYPE_BF16 || dtype == RLHFZ_DTYPE_F16;
+}
+
+/* NULL counts as aligned: an absent array does not stop the vector path. */
+static inline bool rlhfz_aligned16(const void *p)
+{
+    return ((uintptr_t)p & 15u) == 0;
+}
+
+/* Blocks of RLHFZ_BLOCK threads for `items` units of work, one unit per
+ * thread per pass, at least one block and at most `cap`. */
+static inline unsigned int rlhfz_grid_for(size_t items, unsigned int cap)
+{
+    size_t blocks = (items + RLHFZ_BLOCK - 1) / RLHFZ_BLOCK;
+    if (blocks < 1)
+        blocks = 1;
+    return blocks < cap ? (unsigned int)blocks : cap;
+}
+
+/* Blocks for an elementwise kernel over n elements: vector steps, plus the
+ * tail's few elements, which the first threads of the grid take. */
+static inline unsigned int rlhfz_elementwise_grid(size_t n, bool vector)
+{
+    return rlhfz_grid_for(vector ? n / RLHFZ_VEC : n, RLHFZ_MAX_BLOCKS);
+}
+
+#endif /* RLHFZ_CUDA_ELEMENTWISE_CUH */
