@@ -115,22 +115,6 @@ static void launch_adamw(const rlhfz_adamw_shard *shard, const rlhfz_adamw_hpara
         shard->n, hp, hp_device, skip_if_nonzero, vector);
 }
 
-/* One kernel per (grad dtype, param_out kind), all fixed at compile time. */
-template <int G>
-static void launch_adamw_for_grad(const rlhfz_adamw_shard *shard, const rlhfz_adamw_hparams &hp,
-                                  const rlhfz_adamw_hparams *hp_device,
-                                  const int *skip_if_nonzero, bool vector, cudaStream_t stream)
-{
-    if (!shard->param_out)
-        launch_adamw<G, OUT_NONE>(shard, hp, hp_device, skip_if_nonzero, vector, stream);
-    else if (shard->param_dtype == RLHFZ_DTYPE_BF16)
-        launch_adamw<G, RLHFZ_DTYPE_BF16>(shard, hp, hp_device, skip_if_nonzero, vector, stream);
-    else if (shard->param_dtype == RLHFZ_DTYPE_F16)
-        launch_adamw<G, RLHFZ_DTYPE_F16>(shard, hp, hp_device, skip_if_nonzero, vector, stream);
-    else
-        launch_adamw<G, RLHFZ_DTYPE_F32>(shard, hp, hp_device, skip_if_nonzero, vector, stream);
-}
-
 extern "C" rlhfz_status rlhfz_adamw_cuda(const rlhfz_adamw_shard *shard,
                                          const rlhfz_adamw_hparams *hp,
                                          const rlhfz_adamw_hparams *hp_device,
@@ -155,12 +139,18 @@ extern "C" rlhfz_status rlhfz_adamw_cuda(const rlhfz_adamw_shard *shard,
                         rlhfz_aligned16(shard->param_out);
     cudaStream_t s = static_cast<cudaStream_t>(stream);
 
-    if (shard->grad_dtype == RLHFZ_DTYPE_BF16)
-        launch_adamw_for_grad<RLHFZ_DTYPE_BF16>(shard, host, hp_device, skip_if_nonzero, vector, s);
-    else if (shard->grad_dtype == RLHFZ_DTYPE_F16)
-        launch_adamw_for_grad<RLHFZ_DTYPE_F16>(shard, host, hp_device, skip_if_nonzero, vector, s);
-    else
-        launch_adamw_for_grad<RLHFZ_DTYPE_F32>(shard, host, hp_device, skip_if_nonzero, vector, s);
+    /* one kernel per (grad dtype, param_out kind), all fixed at compile time */
+    rlhfz_with_dtype(shard->grad_dtype, [&](auto grad) {
+        constexpr int G = decltype(grad)::value;
+        if (!shard->param_out) {
+            launch_adamw<G, OUT_NONE>(shard, host, hp_device, skip_if_nonzero, vector, s);
+            return;
+        }
+        rlhfz_with_dtype(shard->param_dtype, [&](auto out) {
+            launch_adamw<G, decltype(out)::value>(shard, host, hp_device, skip_if_nonzero,
+                                                  vector, s);
+        });
+    });
     RLHFZ_CUDA_CHECK_LAUNCH();
     return RLHFZ_OK;
 }

@@ -189,4 +189,23 @@ static inline unsigned int rlhfz_elementwise_grid(size_t n, bool vector)
     return rlhfz_grid_for(vector ? n / RLHFZ_VEC : n, RLHFZ_MAX_BLOCKS);
 }
 
+/* Calls launch(tag) with decltype(tag)::value the compile-time twin of
+ * dtype (already checked with rlhfz_dtype_known): the one place a run-time
+ * dtype picks a kernel instantiation. */
+template <int D>
+struct rlhfz_dtype_tag {
+    static constexpr int value = D;
+};
+
+template <typename Launch>
+static inline void rlhfz_with_dtype(rlhfz_dtype dtype, Launch &&launch)
+{
+    if (dtype == RLHFZ_DTYPE_BF16)
+        launch(rlhfz_dtype_tag<RLHFZ_DTYPE_BF16>{});
+    else if (dtype == RLHFZ_DTYPE_F16)
+        launch(rlhfz_dtype_tag<RLHFZ_DTYPE_F16>{});
+    else
+        launch(rlhfz_dtype_tag<RLHFZ_DTYPE_F32>{});
+}
+
 #endif /* RLHFZ_CUDA_ELEMENTWISE_CUH */

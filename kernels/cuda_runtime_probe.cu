@@ -1,23 +1,13 @@
-/* cuda_runtime_probe.cu: what the CUDA runtime sees, plus one trivial kernel.
+/* cuda_runtime_probe.cu: what the CUDA runtime sees.
  *
  * Linked with the static cudart, so these must fail politely (a status and
- * the runtime's error string) on a machine with no driver or no GPU. The
- * fill kernel keeps real device code in the nvcc build path.
+ * the runtime's error string) on a machine with no driver or no GPU.
  */
 #include <cuda_runtime.h>
 
 #include "cuda_check.cuh"
 #include "rlhfz_cuda.h"
 #include "rlhfz_kernels.h"
-
-/* ---- kernels -------------------------------------------------------------- */
-
-__global__ void rlhfz_fill_kernel(float *x, size_t n, float value)
-{
-    size_t stride = (size_t)gridDim.x * blockDim.x;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
-        x[i] = value;
-}
 
 /* ---- host side ------------------------------------------------------------ */
 
@@ -47,18 +37,4 @@ extern "C" int rlhfz_cuda_runtime_version(void)
     if (cudaRuntimeGetVersion(&version) != cudaSuccess)
         return 0;
     return version;
-}
-
-extern "C" rlhfz_status rlhfz_fill_cuda(float *x, size_t n, float value, void *stream)
-{
-    if (n == 0)
-        return RLHFZ_OK;
-    if (!x)
-        return RLHFZ_ERR_INVALID;
-    const int block = 256;
-    size_t blocks = (n + block - 1) / block;
-    int grid = blocks < 65535 ? (int)blocks : 65535; /* grid-stride loop covers the rest */
-    rlhfz_fill_kernel<<<grid, block, 0, (cudaStream_t)stream>>>(x, n, value);
-    RLHFZ_CUDA_CHECK_LAUNCH();
-    return RLHFZ_OK;
 }

@@ -209,15 +209,10 @@ extern "C" rlhfz_status rlhfz_sumsq_cuda(const void *x, rlhfz_dtype dtype, size_
     const unsigned int blocks = rlhfz_grid_for(groups, SUMSQ_MAX_BLOCKS);
     const bool vector = rlhfz_aligned16(x);
 
-    if (dtype == RLHFZ_DTYPE_BF16)
-        rlhfz_sumsq_partial_kernel<RLHFZ_DTYPE_BF16><<<blocks, RLHFZ_BLOCK, 0, s>>>(
+    rlhfz_with_dtype(dtype, [&](auto d) {
+        rlhfz_sumsq_partial_kernel<decltype(d)::value><<<blocks, RLHFZ_BLOCK, 0, s>>>(
             x, n, vector, workspace);
-    else if (dtype == RLHFZ_DTYPE_F16)
-        rlhfz_sumsq_partial_kernel<RLHFZ_DTYPE_F16><<<blocks, RLHFZ_BLOCK, 0, s>>>(
-            x, n, vector, workspace);
-    else
-        rlhfz_sumsq_partial_kernel<RLHFZ_DTYPE_F32><<<blocks, RLHFZ_BLOCK, 0, s>>>(
-            x, n, vector, workspace);
+    });
     RLHFZ_CUDA_CHECK_LAUNCH();
 
     rlhfz_sumsq_final_kernel<<<1, RLHFZ_BLOCK, 0, s>>>(workspace, blocks, out, accumulate);
@@ -238,15 +233,10 @@ extern "C" rlhfz_status rlhfz_unscale_cuda(void *g, rlhfz_dtype dtype, size_t n,
     const bool vector = rlhfz_aligned16(g);
     const unsigned int grid = rlhfz_elementwise_grid(n, vector);
     cudaStream_t s = static_cast<cudaStream_t>(stream);
-    if (dtype == RLHFZ_DTYPE_BF16)
-        rlhfz_unscale_kernel<RLHFZ_DTYPE_BF16><<<grid, RLHFZ_BLOCK, 0, s>>>(
+    rlhfz_with_dtype(dtype, [&](auto d) {
+        rlhfz_unscale_kernel<decltype(d)::value><<<grid, RLHFZ_BLOCK, 0, s>>>(
             g, n, inv_scale, found_inf, vector);
-    else if (dtype == RLHFZ_DTYPE_F16)
-        rlhfz_unscale_kernel<RLHFZ_DTYPE_F16><<<grid, RLHFZ_BLOCK, 0, s>>>(
-            g, n, inv_scale, found_inf, vector);
-    else
-        rlhfz_unscale_kernel<RLHFZ_DTYPE_F32><<<grid, RLHFZ_BLOCK, 0, s>>>(
-            g, n, inv_scale, found_inf, vector);
+    });
     RLHFZ_CUDA_CHECK_LAUNCH();
     return RLHFZ_OK;
 }
@@ -264,30 +254,12 @@ extern "C" rlhfz_status rlhfz_scale_cuda(void *x, rlhfz_dtype dtype, size_t n, f
     const bool vector = rlhfz_aligned16(x);
     const unsigned int grid = rlhfz_elementwise_grid(n, vector);
     cudaStream_t s = static_cast<cudaStream_t>(stream);
-    if (dtype == RLHFZ_DTYPE_BF16)
-        rlhfz_scale_kernel<RLHFZ_DTYPE_BF16><<<grid, RLHFZ_BLOCK, 0, s>>>(
+    rlhfz_with_dtype(dtype, [&](auto d) {
+        rlhfz_scale_kernel<decltype(d)::value><<<grid, RLHFZ_BLOCK, 0, s>>>(
             x, n, scale, scale_device, vector);
-    else if (dtype == RLHFZ_DTYPE_F16)
-        rlhfz_scale_kernel<RLHFZ_DTYPE_F16><<<grid, RLHFZ_BLOCK, 0, s>>>(
-            x, n, scale, scale_device, vector);
-    else
-        rlhfz_scale_kernel<RLHFZ_DTYPE_F32><<<grid, RLHFZ_BLOCK, 0, s>>>(
-            x, n, scale, scale_device, vector);
+    });
     RLHFZ_CUDA_CHECK_LAUNCH();
     return RLHFZ_OK;
-}
-
-template <int S>
-static void launch_cast_from(const void *src, void *dst, rlhfz_dtype dst_dtype, size_t n,
-                             bool vector, cudaStream_t stream)
-{
-    const unsigned int grid = rlhfz_elementwise_grid(n, vector);
-    if (dst_dtype == RLHFZ_DTYPE_BF16)
-        rlhfz_cast_kernel<S, RLHFZ_DTYPE_BF16><<<grid, RLHFZ_BLOCK, 0, stream>>>(src, dst, n, vector);
-    else if (dst_dtype == RLHFZ_DTYPE_F16)
-        rlhfz_cast_kernel<S, RLHFZ_DTYPE_F16><<<grid, RLHFZ_BLOCK, 0, stream>>>(src, dst, n, vector);
-    else
-        rlhfz_cast_kernel<S, RLHFZ_DTYPE_F32><<<grid, RLHFZ_BLOCK, 0, stream>>>(src, dst, n, vector);
 }
 
 extern "C" rlhfz_status rlhfz_cast_cuda(const void *src, rlhfz_dtype src_dtype, void *dst,
@@ -311,12 +283,13 @@ extern "C" rlhfz_status rlhfz_cast_cuda(const void *src, rlhfz_dtype src_dtype, 
     }
 
     const bool vector = rlhfz_aligned16(src) && rlhfz_aligned16(dst);
-    if (src_dtype == RLHFZ_DTYPE_BF16)
-        launch_cast_from<RLHFZ_DTYPE_BF16>(src, dst, dst_dtype, n, vector, s);
-    else if (src_dtype == RLHFZ_DTYPE_F16)
-        launch_cast_from<RLHFZ_DTYPE_F16>(src, dst, dst_dtype, n, vector, s);
-    else
-        launch_cast_from<RLHFZ_DTYPE_F32>(src, dst, dst_dtype, n, vector, s);
+    const unsigned int grid = rlhfz_elementwise_grid(n, vector);
+    rlhfz_with_dtype(src_dtype, [&](auto from) {
+        rlhfz_with_dtype(dst_dtype, [&](auto to) {
+            rlhfz_cast_kernel<decltype(from)::value, decltype(to)::value>
+                <<<grid, RLHFZ_BLOCK, 0, s>>>(src, dst, n, vector);
+        });
+    });
     RLHFZ_CUDA_CHECK_LAUNCH();
     return RLHFZ_OK;
 }

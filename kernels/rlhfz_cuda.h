@@ -100,9 +100,6 @@ rlhfz_status rlhfz_scale_cuda(void *x, rlhfz_dtype dtype, size_t n, float scale,
 rlhfz_status rlhfz_cast_cuda(const void *src, rlhfz_dtype src_dtype, void *dst,
                              rlhfz_dtype dst_dtype, size_t n, void *stream);
 
-/* x[i] = value for i < n (float32), queued on stream. */
-rlhfz_status rlhfz_fill_cuda(float *x, size_t n, float value, void *stream);
-
 #ifdef __cplusplus
 }
 #endif
