@@ -130,7 +130,7 @@ class Bucket:
         self.staged = None
         self.staged_params = [False] * len(params)    # grad written to staging this round
         self.gaps = self.layout.gaps()
-        self.arrived_now = 0
+        self.arrived_now = 0          # distinct params staged this round
         self.launched = False
 
     def _master_view(self, lo: int, n: int):

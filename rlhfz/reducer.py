@@ -114,10 +114,10 @@ class GradReducer:
                 target.add_(param.grad)
             else:
                 target.copy_(param.grad)
+                bucket.staged_params[index] = True
+                bucket.arrived_now += 1     # distinct params, so a repeat cannot launch early
         param.grad = None
-        bucket.staged_params[index] = True
         bucket.arrived[index] = True
-        bucket.arrived_now += 1
         if bucket.arrived_now == bucket.expected:
             self._launch_ready()
 
@@ -133,10 +133,11 @@ class GradReducer:
         if bucket.launched or not bucket.expected:
             return
         flat = self._stage(bucket)
-        for index, staged in enumerate(bucket.staged_params):
-            if not staged:      # no grad this round: it adds zeros
-                place = bucket.layout.slots[index]
-                flat[place.offset:place.offset + place.numel].zero_()
+        if bucket.arrived_now < len(bucket.params):
+            for index, staged in enumerate(bucket.staged_params):
+                if not staged:      # no grad this round: it adds zeros
+                    place = bucket.layout.slots[index]
+                    flat[place.offset:place.offset + place.numel].zero_()
         slot = bucket.staged[0]
         bucket.launched = True
         bucket.generation += 1
