@@ -517,8 +517,10 @@ static PyObject *BufferView_dlpack(rlhfz_BufferView *self, PyObject *const *args
             return NULL;
         /* The array API: -1 asks for no synchronization, 1 and 2 name the
          * legacy and per-thread default streams, 0 is ambiguous. rlhfz
-         * finishes its own work on a buffer before the call that queued it
-         * returns, so any consumer stream may use the memory at once. */
+         * queues kernels only on the stream its caller names (torch's
+         * current one, in the optimizer), and joins its own collective
+         * stream back to that stream before a collective's wait() returns,
+         * so a consumer on the caller's stream needs no event from here. */
         if (handle == 0 || handle < -1) {
             PyErr_Format(PyExc_BufferError, "stream %lld is not valid for CUDA memory (use None, "
                          "-1, 1 for the legacy default stream, 2, or a stream handle)", handle);

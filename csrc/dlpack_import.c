@@ -46,12 +46,20 @@ static void describe_dl_dtype(DLDataType dtype, char *out, size_t size)
 }
 
 /* Checks a DLTensor against what rlhfz kernels take, and fills `out`. */
-static int validate_tensor(const DLTensor *tensor, const char *name, rlhfz_array *out)
+static int validate_tensor(const DLTensor *tensor, const char *name, rlhfz_place place,
+                           rlhfz_array *out)
 {
-    if (tensor->device.device_type != kDLCPU && tensor->device.device_type != kDLCUDAHost) {
+    int32_t type = tensor->device.device_type;
+    if (place == RLHFZ_PLACE_HOST && type != kDLCPU && type != kDLCUDAHost) {
         PyErr_Format(PyExc_BufferError,
                      "%s is on device %s:%d; this kernel needs host memory (cpu or cuda_host)",
-                     name, device_name(tensor->device.device_type), (int)tensor->device.device_id);
+                     name, device_name(type), (int)tensor->device.device_id);
+        return -1;
+    }
+    if (place == RLHFZ_PLACE_CUDA && type != kDLCUDA) {
+        PyErr_Format(PyExc_BufferError,
+                     "%s is on device %s:%d; this kernel needs CUDA device memory (cuda)",
+                     name, device_name(type), (int)tensor->device.device_id);
         return -1;
     }
     DLDataType dt = tensor->dtype;
@@ -127,34 +135,80 @@ static int validate_tensor(const DLTensor *tensor, const char *name, rlhfz_array
     return 0;
 }
 
-/* Calls obj.__dlpack__ asking for a versioned capsule, falling back to the
- * legacy call for producers that do not take max_version. */
-static PyObject *call_dlpack(PyObject *obj)
+/* The DLPack device type obj reports, or -1 if it has no __dlpack_device__. */
+static int dlpack_device_type(PyObject *obj)
 {
+    PyObject *device = PyObject_CallMethod(obj, "__dlpack_device__", NULL);
+    if (device == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            PyErr_Clear();
+            return -1;
+        }
+        return -2;
+    }
+    long type = -1;
+    if (PyTuple_Check(device) && PyTuple_GET_SIZE(device) == 2)
+        type = PyLong_AsLong(PyTuple_GET_ITEM(device, 0));
+    Py_DECREF(device);
+    if (type == -1 && PyErr_Occurred())
+        return -2;
+    return (int)type;
+}
+
+/* Calls obj.__dlpack__ asking for a versioned capsule, falling back to the
+ * legacy call for producers that do not take max_version. For CUDA memory
+ * the consumer's stream goes along (1 for the legacy default stream, as the
+ * array API asks), so the producer orders its pending writes before it. */
+static PyObject *call_dlpack(PyObject *obj, rlhfz_place place, void *stream)
+{
+    PyObject *stream_arg = NULL;
+    if (place == RLHFZ_PLACE_CUDA) {
+        int type = dlpack_device_type(obj);
+        if (type == -2)
+            return NULL;
+        if (type == kDLCUDA) {
+            stream_arg = PyLong_FromUnsignedLongLong(stream ? (unsigned long long)(uintptr_t)stream : 1ULL);
+            if (stream_arg == NULL)
+                return NULL;
+        }
+    }
     PyObject *method = PyObject_GetAttrString(obj, "__dlpack__");
-    if (method == NULL)
+    if (method == NULL) {
+        Py_XDECREF(stream_arg);
         return NULL;
+    }
     PyObject *kwargs = Py_BuildValue("{s(ii)}", "max_version", RLHFZ_DLPACK_MAJOR_VERSION,
                                      RLHFZ_DLPACK_MINOR_VERSION);
+    if (kwargs != NULL && stream_arg != NULL &&
+        PyDict_SetItemString(kwargs, "stream", stream_arg) < 0)
+        Py_CLEAR(kwargs);
     if (kwargs == NULL) {
         Py_DECREF(method);
+        Py_XDECREF(stream_arg);
         return NULL;
     }
     PyObject *empty = PyTuple_New(0);
     PyObject *capsule = empty ? PyObject_Call(method, empty, kwargs) : NULL;
-    Py_XDECREF(empty);
     Py_DECREF(kwargs);
     if (capsule == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {
         PyErr_Clear();
-        capsule = PyObject_CallNoArgs(method);
+        if (stream_arg != NULL) {
+            PyObject *legacy = Py_BuildValue("{s:O}", "stream", stream_arg);
+            capsule = legacy && empty ? PyObject_Call(method, empty, legacy) : NULL;
+            Py_XDECREF(legacy);
+        } else {
+            capsule = PyObject_CallNoArgs(method);
+        }
     }
+    Py_XDECREF(empty);
+    Py_XDECREF(stream_arg);
     Py_DECREF(method);
     return capsule;
 }
 
 /* Obtains a capsule from obj (or obj itself, if it is one) and its tensor. */
-static PyObject *open_capsule(PyObject *obj, const char *name, DLTensor **tensor, int *readonly,
-                              void **managed, int *versioned)
+static PyObject *open_capsule(PyObject *obj, const char *name, rlhfz_place place, void *stream,
+                              DLTensor **tensor, int *readonly, void **managed, int *versioned)
 {
     PyObject *capsule;
     if (PyCapsule_CheckExact(obj)) {
@@ -166,7 +220,7 @@ static PyObject *open_capsule(PyObject *obj, const char *name, DLTensor **tensor
                          "not %.200s", name, Py_TYPE(obj)->tp_name);
             return NULL;
         }
-        capsule = call_dlpack(obj);
+        capsule = call_dlpack(obj, place, stream);
         if (capsule == NULL)
             return NULL;
     }
@@ -205,15 +259,21 @@ static PyObject *open_capsule(PyObject *obj, const char *name, DLTensor **tensor
 }
 
 int rlhfz_array_from_object(rlhfz_state *state, PyObject *obj, const char *name,
-                            int writable, rlhfz_array *out)
+                            int writable, rlhfz_place place, void *stream, rlhfz_array *out)
 {
     memset(out, 0, sizeof(*out));
     /* rlhfz's own views need no capsule round trip: this is the hot path. */
     if (Py_TYPE(obj) == state->BufferView_type) {
         rlhfz_BufferView *view = (rlhfz_BufferView *)obj;
-        if (view->buffer->tier == RLHFZ_TIER_DEVICE) {
+        int on_device = view->buffer->tier == RLHFZ_TIER_DEVICE;
+        if (place == RLHFZ_PLACE_HOST && on_device) {
             PyErr_Format(PyExc_BufferError, "%s is on device cuda:%d; this kernel needs host "
                          "memory (cpu or cuda_host)", name, view->buffer->device);
+            return -1;
+        }
+        if (place == RLHFZ_PLACE_CUDA && !on_device) {
+            PyErr_Format(PyExc_BufferError, "%s is in %s memory; this kernel needs CUDA device "
+                         "memory (cuda)", name, rlhfz_tier_name(view->buffer->tier));
             return -1;
         }
         out->data = (char *)view->buffer->data + view->offset * rlhfz_dtype_size(view->dtype);
@@ -228,10 +288,11 @@ int rlhfz_array_from_object(rlhfz_state *state, PyObject *obj, const char *name,
     DLTensor *tensor;
     int readonly, versioned;
     void *managed;
-    PyObject *capsule = open_capsule(obj, name, &tensor, &readonly, &managed, &versioned);
+    PyObject *capsule = open_capsule(obj, name, place, stream, &tensor, &readonly, &managed,
+                                     &versioned);
     if (capsule == NULL)
         return -1;
-    if (validate_tensor(tensor, name, out) < 0) {
+    if (validate_tensor(tensor, name, place, out) < 0) {
         Py_DECREF(capsule);
         return -1;
     }
@@ -255,12 +316,13 @@ int rlhfz_buffer_import_dlpack(rlhfz_Buffer *buffer, PyObject *obj)
     DLTensor *tensor;
     int readonly, versioned;
     void *managed;
-    PyObject *capsule = open_capsule(obj, "tensor", &tensor, &readonly, &managed, &versioned);
+    PyObject *capsule = open_capsule(obj, "tensor", RLHFZ_PLACE_HOST, NULL, &tensor, &readonly,
+                                     &managed, &versioned);
     if (capsule == NULL)
         return -1;
     rlhfz_array array;
     memset(&array, 0, sizeof(array));
-    if (validate_tensor(tensor, "tensor", &array) < 0)
+    if (validate_tensor(tensor, "tensor", RLHFZ_PLACE_HOST, &array) < 0)
         goto error;
     if (readonly) {
         PyErr_SetString(PyExc_BufferError, "tensor is read-only; a Buffer must be writable");
@@ -284,7 +346,7 @@ PyObject *rlhfz_describe_dlpack(PyObject *module, PyObject *obj)
 {
     rlhfz_state *state = rlhfz_get_state(module);
     rlhfz_array array;
-    if (rlhfz_array_from_object(state, obj, "tensor", 0, &array) < 0)
+    if (rlhfz_array_from_object(state, obj, "tensor", 0, RLHFZ_PLACE_HOST, NULL, &array) < 0)
         return NULL;
     PyObject *shape = PyTuple_New(array.ndim);
     if (shape == NULL) {

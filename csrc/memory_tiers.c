@@ -36,6 +36,16 @@ int rlhfz_cuda_usable(const char **reason)
 #endif
 }
 
+int rlhfz_require_cuda(const char *what)
+{
+    const char *reason = NULL;
+    if (!rlhfz_cuda_usable(&reason)) {
+        PyErr_Format(PyExc_RuntimeError, "%s: %s", what, reason);
+        return -1;
+    }
+    return 0;
+}
+
 int rlhfz_raise_cuda(const char *what)
 {
 #ifdef RLHFZ_WITH_CUDA

@@ -49,15 +49,13 @@ static PyObject *build_info(PyObject *module, PyObject *unused)
         goto error;
     rlhfz_simd_level simd = rlhfz_simd_detect();
     PyObject *values = Py_BuildValue(
-        "{s:s,s:O,s:O,s:i,s:i,s:N,s:O,s:s,s:i,s:i}",
+        "{s:s,s:O,s:O,s:i,s:i,s:N,s:s,s:i,s:i}",
         "version", RLHFZ_VERSION,
         "cuda_compiled", cuda_compiled ? Py_True : Py_False,
         "cuda", device_count > 0 ? Py_True : Py_False,
         "cuda_devices", device_count,
         "cuda_runtime_version", runtime_version,
         "cuda_error", cuda_error,
-        /* the native NCCL communicator comes with the CUDA backend */
-        "nccl", Py_False,
         "simd", rlhfz_simd_name(simd),
         "threads", rlhfz_threads_get(),
         "dlpack_version", RLHFZ_DLPACK_MAJOR_VERSION * 100 + RLHFZ_DLPACK_MINOR_VERSION);
@@ -136,7 +134,8 @@ static PyMethodDef module_methods[] = {
     {"cuda_mem_get_info", cuda_mem_get_info, METH_O,
      "cuda_mem_get_info(device) -> (free, total): bytes of the device, as the driver sees them."},
     {"build_info", build_info, METH_NOARGS,
-     "build_info() -> dict: version, CUDA and NCCL availability, SIMD level, threads."},
+     "build_info() -> dict: version, CUDA availability, SIMD level, threads (rlhfz.build_info\n"
+     "adds NCCL's)."},
     {"set_num_threads", set_num_threads, METH_O, "set_num_threads(n): threads for CPU kernels."},
     {"get_num_threads", get_num_threads, METH_NOARGS, "get_num_threads() -> int"},
     {"simd_level", simd_level, METH_NOARGS, "simd_level() -> str: the SIMD level in use."},
@@ -151,6 +150,10 @@ static int module_exec(PyObject *module)
     if (rlhfz_buffer_add_types(module, state) < 0)
         return -1;
     if (PyModule_AddFunctions(module, rlhfz_cpu_ops_methods) < 0)
+        return -1;
+    if (PyModule_AddFunctions(module, rlhfz_cuda_ops_methods) < 0)
+        return -1;
+    if (rlhfz_cuda_add_types(module) < 0)
         return -1;
     if (rlhfz_nccl_add_types(module) < 0)
         return -1;

@@ -89,9 +89,17 @@ void rlhfz_tier_free(rlhfz_tier tier, int device, void *data);
 int rlhfz_tier_zero(rlhfz_tier tier, void *data, size_t nbytes);
 int rlhfz_tier_copy(void *dst, const void *src, size_t nbytes, int any_cuda);
 
-/* dlpack_import.c */
+/* Where a kernel entry point needs its arrays. */
+typedef enum {
+    RLHFZ_PLACE_HOST = 0,        /* cpu or cuda_host memory, for the CPU kernels */
+    RLHFZ_PLACE_CUDA = 1         /* CUDA device memory, for the CUDA kernels */
+} rlhfz_place;
+
+/* dlpack_import.c. A CUDA borrow passes `stream` (the stream the kernel will
+ * run on; NULL: the legacy default) to the producer's __dlpack__, so the
+ * producer orders its pending work before it. */
 int rlhfz_array_from_object(rlhfz_state *state, PyObject *obj, const char *name,
-                            int writable, rlhfz_array *out);
+                            int writable, rlhfz_place place, void *stream, rlhfz_array *out);
 void rlhfz_array_release(rlhfz_array *array);
 int rlhfz_buffer_import_dlpack(rlhfz_Buffer *buffer, PyObject *obj);
 PyObject *rlhfz_describe_dlpack(PyObject *module, PyObject *obj);
@@ -110,7 +118,41 @@ int rlhfz_parse_args(const char *func, PyObject *const *args, Py_ssize_t nargs,
 int rlhfz_arg_double(PyObject *obj, const char *name, double *out);
 int rlhfz_arg_int64(PyObject *obj, const char *name, int64_t *out);
 
-/* cpu_ops.c */
+/* op_args.c: what the kernel entry points share. */
+#define RLHFZ_MAX_BORROWED 6
+typedef struct {
+    rlhfz_array items[RLHFZ_MAX_BORROWED];
+    int count;
+} rlhfz_borrowed;
+
+rlhfz_array *rlhfz_borrow(PyObject *module, rlhfz_borrowed *b, PyObject *obj, const char *name,
+                          int writable, rlhfz_place place, void *stream);
+void rlhfz_borrowed_release(rlhfz_borrowed *b);
+int rlhfz_check_dtype(const rlhfz_array *a, const char *name, rlhfz_dtype dtype);
+int rlhfz_check_numel(const rlhfz_array *a, const char *name, size_t numel, const char *ref);
+int rlhfz_check_disjoint(const rlhfz_array *a, const char *name_a, const rlhfz_array *b,
+                         const char *name_b);
+int rlhfz_check_all_disjoint(const rlhfz_array *const *arrays, const char *const *names, int count);
+int rlhfz_check_same_device(const rlhfz_array *const *arrays, const char *const *names, int count);
+/* Borrows and checks AdamW's arrays: slots hold master, exp_avg, exp_avg_sq,
+ * grad and param_out (NULL or None: none). Fills the kernel's shard and the
+ * arrays' device ordinal. On failure the caller still releases b. */
+int rlhfz_adamw_shard_from_args(PyObject *module, rlhfz_borrowed *b, PyObject *const *slots,
+                                rlhfz_place place, void *stream, rlhfz_adamw_shard *shard,
+                                int *device);
+/* Raises the Python exception for a kernel's status (0 for RLHFZ_OK). */
+int rlhfz_raise_status(rlhfz_status status, const char *what);
+/* slots: lr, beta1, beta2, eps, weight_decay, step (required), maximize,
+ * grad_scale (NULL: defaults). Checks them and derives the kernel's values. */
+int rlhfz_adamw_hparams_from_args(const char *func, PyObject *const *slots, rlhfz_adamw_hparams *hp);
+/* RuntimeError saying why, when no CUDA device is usable (memory_tiers.c). */
+int rlhfz_require_cuda(const char *what);
+/* None, an int handle, or an object with a cuda_stream / handle attribute. */
+int rlhfz_stream_from_object(PyObject *obj, void **stream);
+
+/* cpu_ops.c, cuda_ops.c */
 extern PyMethodDef rlhfz_cpu_ops_methods[];
+extern PyMethodDef rlhfz_cuda_ops_methods[];
+int rlhfz_cuda_add_types(PyObject *module);
 
 #endif /* RLHFZ_MODULE_H */

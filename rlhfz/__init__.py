@@ -21,9 +21,24 @@ def build_info() -> dict:
     """What this build of rlhfz has: version, CUDA and NCCL availability,
     SIMD level in use, CPU threads, and the torch version if torch is loaded."""
     info = dict(_C.build_info())
+    info.update(_nccl_info(info["cuda"]))
     torch = sys.modules.get("torch")
     info["torch"] = getattr(torch, "__version__", None)
     return info
+
+
+def _nccl_info(cuda: bool) -> dict:
+    """NCCL is available when libnccl.so.2 loads and a CUDA device is visible.
+    Loading prefers a copy already in the process, so torch's is reused."""
+    from .nccl_library import load
+    try:
+        path = load()
+        version = _C.nccl_version()
+    except RuntimeError as error:
+        return {"nccl": False, "nccl_version": None, "nccl_library": None,
+                "nccl_error": str(error)}
+    return {"nccl": bool(cuda), "nccl_version": version, "nccl_library": path,
+            "nccl_error": None if cuda else "no CUDA device is visible"}
 
 
 def set_num_threads(n: int) -> None:

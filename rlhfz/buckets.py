@@ -1,8 +1,8 @@
 """Flat buckets: the memory behind a group's parameters of one dtype.
 
 A Bucket owns five rlhfz Buffers (params, grads, fp32 master, exp_avg,
-exp_avg_sq; fp32 params are their own master) and hands out torch views of
-them. ``param.data`` and ``param.grad`` are such views, so the optimizer
+exp_avg_sq; fp32 params are their own master), in its backend's tier (host
+or CUDA device), and hands out torch views of them. ``param.data`` and ``param.grad`` are such views, so the optimizer
 steps a whole bucket with one kernel call and autograd accumulates straight
 into bucket memory.
 """
@@ -12,7 +12,7 @@ import weakref
 
 import torch
 
-from . import _C
+from .backends import HostBackend
 from .layout import BucketLayout, plan_bucket
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -39,7 +39,7 @@ class Bucket:
 
     def __init__(self, params: list[torch.Tensor], group_index: int, dtype: torch.dtype,
                  rank: int = 0, world_size: int = 1, full_grads: bool = True,
-                 reduce_dtype: torch.dtype | None = None):
+                 reduce_dtype: torch.dtype | None = None, backend=None):
         self.params = params
         self.group_index = group_index
         self.dtype = dtype
@@ -48,16 +48,18 @@ class Bucket:
         self.layout: BucketLayout = plan_bucket([tuple(p.shape) for p in params], itemsize,
                                                 world_size)
         self.rank, self.world_size = rank, world_size
+        self.backend = backend or HostBackend()
+        alloc = self.backend.buffer
         n = self.layout.padded_numel
         shard = self.layout.shard_numel
         self.shard_start = rank * shard
         # Allocate everything before touching any param, so a failure here
         # (out of memory) leaves the model as it was. Params and grads are
         # whole; master, moments and the reduced grad cover this rank's shard.
-        self.param_buffer = _C.Buffer(n * itemsize)
+        self.param_buffer = alloc(n * itemsize)
         # Stage 2 keeps no full-size grads: the reducer stages them briefly.
         self.full_grads = full_grads
-        self.grad_buffer = _C.Buffer(n * itemsize) if full_grads else None
+        self.grad_buffer = alloc(n * itemsize) if full_grads else None
         # Grads are averaged across ranks in reduce_dtype (fp32 for 16-bit
         # params if asked). Stage 2 keeps the averaged shard in its own
         # buffer. Stage 1 all-reduces in place, as DDP does, so every rank's
@@ -65,9 +67,9 @@ class Bucket:
         # fp32 copy of the bucket when reduce_dtype differs).
         self.reduce_dtype = reduce_dtype or dtype
         reduce_itemsize = torch.empty((), dtype=self.reduce_dtype).element_size()
-        self.grad_shard_buffer = (_C.Buffer(shard * reduce_itemsize)
+        self.grad_shard_buffer = (alloc(shard * reduce_itemsize)
                                   if world_size > 1 and not full_grads else None)
-        self.reduce_staging_buffer = (_C.Buffer(n * reduce_itemsize)
+        self.reduce_staging_buffer = (alloc(n * reduce_itemsize)
                                       if world_size > 1 and full_grads
                                       and self.reduce_dtype != dtype else None)
         # (buffer, element offset) of the grad shard's first element
@@ -76,9 +78,9 @@ class Bucket:
         else:
             self._grad_shard_at = (self.reduce_staging_buffer or self.grad_buffer,
                                    self.shard_start)
-        self.master_buffer = None if dtype == torch.float32 else _C.Buffer(shard * 4)
-        self.exp_avg_buffer = _C.Buffer(shard * 4)
-        self.exp_avg_sq_buffer = _C.Buffer(shard * 4)
+        self.master_buffer = None if dtype == torch.float32 else alloc(shard * 4)
+        self.exp_avg_buffer = alloc(shard * 4)
+        self.exp_avg_sq_buffer = alloc(shard * 4)
 
         # Kernel-facing views of whole buckets and shards: passed to _C without DLPack.
         self.param_kview = self.param_buffer.view(self.dtype_name)
@@ -177,7 +179,7 @@ class Bucket:
                     grad_view.copy_(grad)
                     p.grad = grad_view
         if self.master_buffer is not None:
-            _C.cast_(self.master_kview, self.param_shard_kview)
+            self.backend.cast_(self.master_kview, self.param_shard_kview)
         self_ref = weakref.ref(self)
         for i, p in enumerate(self.params):
             if p.requires_grad:
@@ -232,7 +234,7 @@ class Bucket:
         for i, p in enumerate(self.params):
             if p.grad is not None and p.grad is not self.grad_views[i]:
                 self.adopt_grad(i)
-        self.grad_buffer.zero_()
+        self.backend.zero_(self.grad_buffer, self.flat_grad)
 
     # ---- kernel views of param ranges -----------------------------------------------
 

@@ -126,11 +126,12 @@ class Communicator:
             for owner in range(self.world_size):
                 yield owner, full[owner * shard + lo:owner * shard + hi]
 
-    def all_reduce_sum(self, tensor: torch.Tensor):
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
-
-    def all_reduce_max(self, tensor: torch.Tensor):
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+    def all_reduce_sum_host(self, value: float) -> float:
+        """The sum over ranks of a host float, in double, on the control group
+        (whatever the data engine: nccl takes no CPU tensors)."""
+        summed = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=self._control)
+        return summed.item()
 
     def all_reduce_max_control(self, tensor: torch.Tensor, call: str) -> None:
         """A MAX all-reduce of a small CPU tensor under rlhfz's timeout."""
@@ -183,10 +184,15 @@ def _digest(value) -> int:
                           "little") >> 1
 
 
-def communicator_for(process_group) -> Communicator | None:
-    """None in a single process (no collectives at all)."""
+def communicator_for(process_group, collectives: str = "torch",
+                     device: torch.device | None = None) -> Communicator | None:
+    """None in a single process (no collectives at all). collectives="nccl"
+    gives rlhfz's own NCCL communicator on `device` (see nccl.py)."""
     if process_group is None and not (dist.is_available() and dist.is_initialized()):
         return None
     if dist.get_world_size(process_group) == 1:
         return None
+    if collectives == "nccl":
+        from .nccl import NativeNcclCommunicator
+        return NativeNcclCommunicator(process_group, device)
     return Communicator(process_group)

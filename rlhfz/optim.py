@@ -9,20 +9,18 @@ into torch.optim.AdamW and back.
 from __future__ import annotations
 
 import math
-import os
-import warnings
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch.optim import Optimizer
 
-from . import _C
+from .backends import backend_for
 from .buckets import DTYPE_NAMES, Bucket
 from .comm import communicator_for
 from .layout import stage2_bucket_bytes
 from .reducer import GradReducer
 
-_TIERS = ("host",)
+_TIERS = ("device", "pinned", "host")
 _KINDS = ("params", "grads", "master", "exp_avg", "exp_avg_sq")
 
 
@@ -65,6 +63,24 @@ def consolidate_sharded(shards: list[dict[str, Any]]) -> dict[str, Any]:
                 entry[name] = flat[offset:offset + numel].view(shape).clone()
             state[index] = entry
     return {"state": state, "param_groups": shards[0]["param_groups"]}
+
+
+def _common_device(params: list) -> torch.device:
+    """The device of the first tensor among params (or param-group dicts);
+    _check_params then holds every param to it."""
+    for item in params:
+        tensors = [item]
+        if isinstance(item, dict):
+            tensors = item.get("params", [])
+            if isinstance(tensors, torch.Tensor):
+                tensors = [tensors]
+            elif not isinstance(tensors, (list, tuple, set)) and tensors is not None:
+                item["params"] = tensors = list(tensors)   # a generator is read once
+        for t in tensors or []:
+            t = t[1] if isinstance(t, tuple) else t
+            if isinstance(t, torch.Tensor):
+                return t.device
+    return torch.device("cpu")
 
 
 class NonFiniteGradError(FloatingPointError):
@@ -111,6 +127,13 @@ class ZeroAdamW(Optimizer):
     ``reduce_dtype=torch.float32`` averages 16-bit grads across ranks in fp32
     (the grad shard is then fp32 too); None reduces in the params' dtype.
 
+    Params on a CUDA device get their buckets and optimizer state on that
+    device and are stepped by the CUDA kernels on torch's current stream;
+    params on the CPU by the SIMD kernels. All params share one device.
+    ``collectives`` picks the engine across processes: "torch"
+    (torch.distributed, the default) or "nccl" (rlhfz's own NCCL
+    communicator on its own stream, CUDA only); close() destroys the latter.
+
     ``nonfinite`` says what a NaN or Inf grad does: "raise" (the default)
     raises NonFiniteGradError, "skip" skips the step; both leave params and
     state untouched, which takes one read of the grads before the update
@@ -122,7 +145,7 @@ class ZeroAdamW(Optimizer):
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
                  differentiable=False, fused=None, stage=2, process_group=None, offload=None,
                  offload_ratio=1.0, pin_memory="auto", nonfinite="raise", wrap=None,
-                 param_persistence_threshold=100_000, reduce_dtype=None):
+                 param_persistence_threshold=100_000, reduce_dtype=None, collectives="torch"):
         _check_hparams(lr, betas, eps, weight_decay)
         _check_unsupported(dict(amsgrad=amsgrad, capturable=capturable,
                                 differentiable=differentiable, foreach=foreach, fused=fused))
@@ -141,6 +164,8 @@ class ZeroAdamW(Optimizer):
         if reduce_dtype not in (None, torch.float32):
             raise ValueError(f"reduce_dtype must be None (the params' dtype) or torch.float32, "
                              f"not {reduce_dtype!r}")
+        if collectives not in ("torch", "nccl"):
+            raise ValueError(f"collectives must be 'torch' or 'nccl', not {collectives!r}")
         self.reduce_dtype = reduce_dtype
 
         module = params if isinstance(params, torch.nn.Module) else None
@@ -154,7 +179,13 @@ class ZeroAdamW(Optimizer):
         elif stage == 3:
             raise ValueError("stage=3 shards parameters per module unit, so it needs the "
                              "nn.Module itself: pass ZeroAdamW(model, stage=3)")
-        self.comm = communicator_for(process_group)
+        params = params if isinstance(params, list) else list(params)
+        self.device = _common_device(params)
+        self.backend = backend_for(self.device)
+        if collectives == "nccl" and self.device.type != "cuda":
+            raise ValueError(f"collectives='nccl' needs params on a CUDA device, not "
+                             f"{self.device}")
+        self.comm = communicator_for(process_group, collectives, self.device)
         self.rank = self.comm.rank if self.comm else 0
         self.world_size = self.comm.world_size if self.comm else 1
         if self.world_size > 1 and stage in (0, 3):
@@ -172,7 +203,7 @@ class ZeroAdamW(Optimizer):
         self.param_persistence_threshold = param_persistence_threshold
         self.skipped_steps = 0
         self._buckets: list[Bucket] = []
-        self.reducer = (GradReducer(self._buckets, self.comm)
+        self.reducer = (GradReducer(self._buckets, self.comm, self.backend)
                         if stage == 2 and self.world_size > 1 else None)
         self._finite_versions: tuple[int, ...] | None = None
 
@@ -212,7 +243,7 @@ class ZeroAdamW(Optimizer):
             for chunk in self._bucket_chunks(members):
                 buckets.append(Bucket(chunk, group_index, dtype, self.rank, self.world_size,
                                       full_grads=self.reducer is None,
-                                      reduce_dtype=self.reduce_dtype))
+                                      reduce_dtype=self.reduce_dtype, backend=self.backend))
         group["params"] = params
         super().add_param_group(group)
         param_group.clear()
@@ -257,8 +288,9 @@ class ZeroAdamW(Optimizer):
             if p.dtype not in DTYPE_NAMES:
                 raise TypeError(f"parameters must be float32, bfloat16 or float16, "
                                 f"not {p.dtype}")
-            if p.device.type != "cpu":
-                raise ValueError(f"parameters must be on the CPU in this build, not {p.device}")
+            if p.device != self.device:
+                raise ValueError(f"every parameter must be on one device: {p.device} (shape "
+                                 f"{tuple(p.shape)}) differs from {self.device}")
             if id(p) in seen:
                 raise ValueError("a parameter appears more than once in the param group "
                                  f"(shape {tuple(p.shape)})")
@@ -293,7 +325,7 @@ class ZeroAdamW(Optimizer):
                 a, b = bucket.local[i]
                 grad = (bucket.grad_views[i] if self.comm is None
                         else bucket.flat_grad_shard[a:b])
-                if has_grad and not math.isfinite(_C.sumsq(grad)):
+                if has_grad and not math.isfinite(self.backend.sumsq([grad])):
                     p = bucket.params[i]
                     group = self.param_groups[bucket.group_index]["params"]
                     position = next(j for j, q in enumerate(group) if q is p)
@@ -303,14 +335,11 @@ class ZeroAdamW(Optimizer):
 
     def _sumsq(self, plan) -> float:
         """Sum of squares of every (reduced) grad, over all ranks."""
-        total = 0.0
-        for bucket, _, _, segments in plan:
-            for _, _, lo, hi in segments:
-                total += _C.sumsq(bucket.grad_shard_kview_range(lo, hi))
+        total = self.backend.sumsq([bucket.grad_shard_kview_range(lo, hi)
+                                    for bucket, _, _, segments in plan
+                                    for _, _, lo, hi in segments])
         if self.comm is not None:
-            summed = torch.tensor([total], dtype=torch.float64)
-            self.comm.all_reduce_sum(summed)
-            total = summed.item()
+            total = self.comm.all_reduce_sum_host(total)
         return total
 
     def _grads_finite(self, plan) -> bool:
@@ -389,16 +418,16 @@ class ZeroAdamW(Optimizer):
             raise RuntimeError(f"The total norm of order 2.0 for gradients from `parameters` is "
                                f"non-finite, so it cannot be clipped. To disable this error and "
                                f"scale the gradients by the non-finite norm anyway, set "
-                               f"`error_if_nonfinite=False`")
+                               "`error_if_nonfinite=False`")
         coef = max_norm / (total + 1e-6)
         if coef < 1.0:
             for bucket, _, _, segments in plan:
                 for _, _, lo, hi in segments:
-                    _C.scale_(bucket.grad_shard_kview_range(lo, hi), coef)
+                    self.backend.scale_(bucket.grad_shard_kview_range(lo, hi), coef)
         # The C kernels leave torch's version counters alone, so these record
         # the grads exactly as checked: an unchanged step skips its own check.
         self._finite_versions = self._grad_versions() if math.isfinite(total) else None
-        return torch.tensor(total, dtype=torch.float32)
+        return torch.tensor(total, dtype=torch.float32, device=self.device)
 
     # ---- the step ----------------------------------------------------------------
 
@@ -436,7 +465,7 @@ class ZeroAdamW(Optimizer):
             steps = bucket.steps.tolist()
             for start, stop, lo, hi in segments:
                 step = int(steps[start]) + 1
-                _C.adamw_step(*bucket.kernel_views(lo, hi), step=step, **hp)
+                self.backend.adamw_step(bucket.kernel_views(lo, hi), step, hp)
             # Step counts advance for every param with a grad, also those
             # whose elements all live on other ranks.
             for start, stop in runs:
@@ -491,7 +520,8 @@ class ZeroAdamW(Optimizer):
                 shards.append(("master_param", bucket.flat_master))
             full = {}
             for name, shard in shards:
-                full[name] = torch.empty(bucket.layout.padded_numel, dtype=torch.float32)
+                full[name] = torch.empty(bucket.layout.padded_numel, dtype=torch.float32,
+                                         device=self.device)
                 self.comm.all_gather(full[name], shard)
             for i, p in enumerate(bucket.params):
                 if not bucket.registered[i]:
@@ -639,15 +669,23 @@ class ZeroAdamW(Optimizer):
         """Bytes this rank's optimizer owns, by kind and tier. fp32 params are
         their own master weights, so 'master' counts only separate copies."""
         report = {kind: {tier: 0 for tier in _TIERS} for kind in _KINDS}
+        tier = self.backend.tier
         for bucket in self._buckets:
             for kind, nbytes in bucket.nbytes().items():
-                report[kind]["host"] += nbytes
+                report[kind][tier] += nbytes
         if self.reducer is not None:
-            report["grads"]["host"] += self.reducer.nbytes()
+            report["grads"][tier] += self.reducer.nbytes()
         return report
 
     def placement(self) -> dict[str, str]:
-        return {kind: "host" for kind in _KINDS}
+        return {kind: self.backend.tier for kind in _KINDS}
+
+    def close(self) -> None:
+        """Releases what the optimizer holds outside Python's reach: the
+        native NCCL communicator (collectives="nccl"). Every rank calls it;
+        the optimizer cannot step afterwards. A no-op otherwise."""
+        if self.comm is not None and hasattr(self.comm, "destroy"):
+            self.comm.destroy()
 
     def __repr__(self) -> str:
         params = sum(len(b.params) for b in self._buckets)

@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import torch
 
-from . import _C
+from .backends import HostBackend
 from .buckets import DTYPE_NAMES, Bucket
 
 
 class GradReducer:
-    def __init__(self, buckets: list[Bucket], comm):
+    def __init__(self, buckets: list[Bucket], comm, backend=None):
         self.buckets = buckets            # the optimizer's list; it grows with add_param_group
         self.comm = comm
+        self.backend = backend or HostBackend()
         self._staging: dict[torch.dtype, list[torch.Tensor]] = {}
         self._staging_buffers: dict[torch.dtype, list] = {}   # the memory behind them
         self._slot_work: dict[tuple, object] = {}
@@ -52,7 +53,7 @@ class GradReducer:
                 continue
             self.wait_all()
             itemsize = torch.empty((), dtype=dtype).element_size()
-            buffers = [_C.Buffer(size * itemsize) for size in (numel, numel, shard)]
+            buffers = [self.backend.buffer(size * itemsize) for size in (numel, numel, shard)]
             tensors = [torch.from_dlpack(b.view(DTYPE_NAMES[dtype])) for b in buffers]
             self._staging_buffers[dtype] = buffers      # the smaller ones are freed
             self._staging[dtype] = tensors[:2]
@@ -89,7 +90,8 @@ class GradReducer:
                 # Grads of three buckets interleave (rare: e.g. a tied weight
                 # far from its bucket): this one gets its own staging memory
                 # rather than take a slot that still fills.
-                flat = torch.zeros(bucket.layout.padded_numel, dtype=bucket.reduce_dtype)
+                flat = torch.zeros(bucket.layout.padded_numel, dtype=bucket.reduce_dtype,
+                                   device=self.backend.device)
                 bucket.staged = (None, flat)
                 return flat
             work = self._slot_work.pop(slot, None)

@@ -14,7 +14,6 @@ timeout, so no outcome can take the test session down.
 """
 import ctypes
 import gc
-import importlib.util
 import json
 import os
 import re
@@ -27,24 +26,12 @@ import pytest
 
 import rlhfz
 from rlhfz import _C
+from rlhfz.nccl_library import wheel_library
 
 UNIQUE_ID_BYTES = 128
 DTYPES = ("float32", "bfloat16", "float16")
 OPS = ("sum", "avg", "max", "min")
 CHILD_TIMEOUT_S = 180
-
-
-def _wheel_library():
-    """libnccl.so.2 as the nvidia-nccl-cu13 (or -cu12) wheel installs it, or None."""
-    try:
-        spec = importlib.util.find_spec("nvidia.nccl")
-    except (ImportError, ValueError):
-        return None
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        path = os.path.join(folder, "lib", "libnccl.so.2")
-        if os.path.isfile(path):
-            return path
-    return None
 
 
 def _torch_cuda_devices() -> int:
@@ -68,7 +55,7 @@ def nccl():
     except ImportError:
         pass
     try:
-        return _C.nccl_load(_wheel_library())
+        return _C.nccl_load(wheel_library())
     except RuntimeError as error:
         pytest.skip(f"libnccl.so.2 not found: {error}")
 
@@ -630,7 +617,7 @@ def test_two_processes(nccl, tmp_path):
     env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     code = textwrap.dedent(TWO_RANKS)
     procs = [subprocess.Popen([sys.executable, "-c", code, str(rank), str(tmp_path),
-                               _wheel_library() or ""],
+                               wheel_library() or ""],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for rank in range(2)]
     outputs = []

@@ -284,3 +284,40 @@ def test_cli_info_and_estimate():
                           "--world-size", "8", "--stage", "3"], check=True,
                          capture_output=True, text=True).stdout
     assert "exp_avg" in out and "total" in out
+
+
+def test_build_info_reports_nccl():
+    info = rlhfz.build_info()
+    assert info["nccl"] == (info["cuda"] and info["nccl_version"] is not None)
+    if info["nccl_version"] is not None:
+        assert info["nccl_version"] >= 21000 and info["nccl_library"].endswith(".so.2")
+    if not info["nccl"]:
+        assert info["nccl_error"]
+
+
+def test_devices_and_collectives_are_checked():
+    cpu = torch.nn.Parameter(torch.randn(4))
+    meta = torch.nn.Parameter(torch.empty(4, device="meta"))
+    with pytest.raises(ValueError, match="on the CPU or a CUDA device, not meta"):
+        rlhfz.ZeroAdamW([meta])
+    with pytest.raises(ValueError, match="every parameter must be on one device: meta"):
+        rlhfz.ZeroAdamW([cpu, meta])
+    with pytest.raises(ValueError, match="collectives must be 'torch' or 'nccl'"):
+        rlhfz.ZeroAdamW([cpu], collectives="mpi")
+    with pytest.raises(ValueError, match="collectives='nccl' needs params on a CUDA device"):
+        rlhfz.ZeroAdamW([cpu], collectives="nccl")
+    opt = rlhfz.ZeroAdamW([cpu])
+    group = {"params": (p for p in [torch.nn.Parameter(torch.randn(3))])}
+    opt.add_param_group(group)     # a generator of params is read once, and kept
+    assert len(opt.param_groups[1]["params"]) == 1
+    report = opt.memory_report()
+    assert all(report[kind]["device"] == 0 for kind in report)
+    assert opt.placement()["exp_avg"] == "host"
+    opt.close()                    # nothing to release on the CPU
+
+
+@pytest.mark.skipif(rlhfz.build_info()["cuda"], reason="a CUDA device is usable here")
+def test_cuda_params_without_a_usable_device_say_why():
+    from rlhfz.backends import CudaBackend
+    with pytest.raises(RuntimeError, match="parameters are on cuda:0, but rlhfz cannot use CUDA"):
+        CudaBackend(torch.device("cuda", 0))

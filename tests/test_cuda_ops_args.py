@@ -1,0 +1,209 @@
+"""The CUDA entry points' argument checks, which run before any CUDA call.
+
+Every check (hyperparameters, streams, where arrays live, dtypes, sizes,
+overlap, devices, device scalars) happens on the host, so it is tested here
+on hand-built kDLCUDA capsules: without a usable device the call then stops
+at the CUDA check, with the reason. The kernels themselves are tested on a
+GPU (test_cuda_kernels.py).
+"""
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+import rlhfz
+from dlpack_handmade import Handmade
+from rlhfz import _C
+
+HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=1)
+KDLCUDA = 2
+NO_CUDA = not rlhfz.build_info()["cuda"]
+without_cuda = pytest.mark.skipif(not NO_CUDA, reason="a CUDA device is usable here")
+
+
+def cuda_array(n=4, *, device_id=0, bits=32, code=2, data=None):
+    """A Handmade capsule that claims to be CUDA memory (host bytes behind it,
+    never touched: the calls stop before any launch)."""
+    backing = data if data is not None else np.zeros(max(n, 1) * 2, dtype=np.float32)
+    return Handmade(backing, shape=(n,), code=code, bits=bits, device=(KDLCUDA, device_id))
+
+
+def adamw_args(n=4, **sizes):
+    made = [cuda_array(sizes.get(name, n)) for name in ("master", "exp_avg", "exp_avg_sq", "grad")]
+    return made, [m.capsule for m in made]
+
+
+@without_cuda
+def test_valid_arguments_stop_at_the_cuda_check_with_the_reason():
+    keep, arrays = adamw_args()
+    with pytest.raises(RuntimeError, match="cuda_adamw_step: .*(CUDA|driver)"):
+        _C.cuda_adamw_step(*arrays, **HP)
+    x, y = cuda_array(), cuda_array()     # a capsule's memory lives as long as its Handmade
+    with pytest.raises(RuntimeError, match="cuda_cast_: "):
+        _C.cuda_cast_(y.capsule, x.capsule)
+    with pytest.raises(RuntimeError, match="cuda_scale_: "):
+        _C.cuda_scale_(y.capsule, 2.0)
+    with pytest.raises(RuntimeError, match="CudaStream: "):
+        _C.CudaStream()
+    with pytest.raises(RuntimeError, match="CudaEvent: "):
+        _C.CudaEvent(0)
+    with pytest.raises(RuntimeError, match="cuda_fetch: "):
+        _C.cuda_fetch(_C.Buffer(8), 0, 8)
+    with pytest.raises(RuntimeError, match="cuda_store: "):
+        _C.cuda_store(_C.Buffer(8), 0, b"\0" * 8)
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (dict(lr=-1.0), ValueError, "invalid lr"),
+    (dict(beta1=1.0), ValueError, "invalid beta1"),
+    (dict(eps=float("nan")), ValueError, "invalid eps"),
+    (dict(step=0), ValueError, "step must be >= 1"),
+    (dict(step=None), TypeError, "missing required argument 'step'"),
+    (dict(grad_scale=float("inf")), ValueError, "invalid grad_scale"),
+    (dict(stream="default"), TypeError, "stream must be None, a stream handle"),
+    (dict(stream=-3), ValueError, "stream handle must be an address"),
+    (dict(stream=object()), TypeError, "cuda_stream or handle attribute"),
+])
+def test_scalar_arguments_are_checked_first(change, error, message):
+    keep, arrays = adamw_args()
+    kwargs = {**HP, **change}
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    with pytest.raises(error, match=message):
+        _C.cuda_adamw_step(*arrays, **kwargs)
+
+
+def test_host_memory_is_refused_by_name():
+    keep, arrays = adamw_args()
+    host = torch.zeros(4)
+    with pytest.raises(BufferError, match="grad is on device cpu:0; this kernel needs CUDA"):
+        _C.cuda_adamw_step(*arrays[:3], host, **HP)
+    view = _C.Buffer(16).view("float32")
+    with pytest.raises(BufferError, match="master is in host memory; this kernel needs CUDA"):
+        _C.cuda_adamw_step(view, *arrays[1:], **HP)
+    pinned_like = Handmade(np.zeros(4, dtype=np.float32), device=(3, 0))   # kDLCUDAHost
+    with pytest.raises(BufferError, match="x is on device cuda_host:0"):
+        _C.cuda_sumsq(pinned_like.capsule, _C.Buffer(8), _C.Buffer(8))
+
+
+def test_sizes_dtypes_overlap_and_devices_are_checked():
+    keep, arrays = adamw_args(4, grad=5)
+    with pytest.raises(ValueError, match="grad has 5 elements but master has 4"):
+        _C.cuda_adamw_step(*arrays, **HP)
+    half = cuda_array(4, bits=16)
+    keep, arrays = adamw_args()
+    with pytest.raises(TypeError, match="exp_avg must be float32, not float16"):
+        _C.cuda_adamw_step(arrays[0], half.capsule, *arrays[2:], **HP)
+    shared = np.zeros(8, dtype=np.float32)
+    a, b = cuda_array(4, data=shared), cuda_array(4, data=shared)
+    with pytest.raises(ValueError, match="master and exp_avg overlap in memory"):
+        _C.cuda_adamw_step(a.capsule, b.capsule, *arrays[2:], **HP)
+    other = cuda_array(4, device_id=1)
+    with pytest.raises(ValueError, match="exp_avg_sq is on cuda:1 but master is on cuda:0"):
+        _C.cuda_adamw_step(*arrays[:2], other.capsule, arrays[3], **HP)
+    keep2, arrays2 = adamw_args()
+    out = cuda_array(5)
+    with pytest.raises(ValueError, match="param_out has 5 elements"):
+        _C.cuda_adamw_step(*arrays2, out.capsule, **HP)
+    dst, src = cuda_array(4), cuda_array(3)
+    with pytest.raises(ValueError, match="src has 3 elements but dst has 4"):
+        _C.cuda_cast_(dst.capsule, src.capsule)
+
+
+def test_device_scalars_must_be_device_buffers():
+    keep, arrays = adamw_args()
+    with pytest.raises(BufferError, match="skip_if is a host Buffer; it must be in the device tier"):
+        _C.cuda_adamw_step(*arrays, skip_if=_C.Buffer(4), **HP)
+    keep, arrays = adamw_args()
+    with pytest.raises(TypeError, match="device_hparams must be an rlhfz Buffer"):
+        _C.cuda_adamw_step(*arrays, device_hparams=b"\0" * 36, **HP)
+    x = cuda_array()
+    with pytest.raises(BufferError, match="out is a host Buffer"):
+        _C.cuda_sumsq(x.capsule, _C.Buffer(8), _C.Buffer(8))
+    x = cuda_array()
+    with pytest.raises(BufferError, match="found_inf is a host Buffer"):
+        _C.cuda_unscale_(x.capsule, 0.5, _C.Buffer(4))
+    x = cuda_array()
+    with pytest.raises(TypeError, match="needs scale or scale_device"):
+        _C.cuda_scale_(x.capsule)
+
+
+def test_transfers_check_their_byte_range():
+    for offset, nbytes in ((0, 9), (8, 1), (-1, 4), (0, -1)):
+        with pytest.raises(ValueError, match="outside the Buffer's 8"):
+            _C.cuda_fetch(_C.Buffer(8), offset, nbytes)
+    with pytest.raises(ValueError, match="outside the Buffer's 8"):
+        _C.cuda_store(_C.Buffer(8), 4, b"\0" * 5)
+    with pytest.raises(TypeError, match="data must be bytes"):
+        _C.cuda_store(_C.Buffer(8), 0, bytearray(4))
+    with pytest.raises(TypeError, match="buffer must be an rlhfz Buffer"):
+        _C.cuda_fetch(np.zeros(2), 0, 8)
+
+
+class RecordingProducer:
+    """A CUDA producer that records the stream its consumer asks for."""
+
+    def __init__(self):
+        self.made = cuda_array()
+        self.streams = []
+
+    def __dlpack_device__(self):
+        return (KDLCUDA, 0)
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        self.streams.append(stream)
+        return self.made.capsule
+
+
+@without_cuda    # with a device the fake memory would reach a launch
+@pytest.mark.parametrize("stream, expected", [
+    (None, 1), (0, 1), (1, 1), (2, 2), (0x7F00DEAD0000, 0x7F00DEAD0000),
+])
+def test_the_kernel_stream_goes_to_the_producer(stream, expected):
+    class Torchlike:
+        cuda_stream = stream
+    for given in (stream,) if stream is None else (stream, Torchlike()):
+        producer, src = RecordingProducer(), cuda_array()
+        with pytest.raises(RuntimeError, match="cuda_cast_: "):
+            _C.cuda_cast_(producer, src.capsule, stream=given)
+        assert producer.streams == [expected]
+
+
+def test_host_producers_are_not_given_a_stream():
+    seen = []
+
+    class HostProducer:
+        def __dlpack_device__(self):
+            return (1, 0)
+
+        def __dlpack__(self, **kwargs):
+            seen.append(kwargs.get("stream"))
+            return torch.zeros(4).__dlpack__()
+    keep, arrays = adamw_args()
+    with pytest.raises(BufferError, match="on device cpu"):
+        _C.cuda_adamw_step(*arrays[:3], HostProducer(), **HP)
+    assert seen == [None]
+
+
+def test_hparams_bytes_hold_what_the_kernels_use():
+    packed = _C.adamw_hparams_bytes(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                                    weight_decay=0.1, step=3, maximize=True, grad_scale=0.5)
+    decay, beta1_weight, beta2, beta2_weight, eps, step_size, bc2_sqrt, grad_scale, maximize = \
+        struct.unpack("8fi", packed)
+    f32 = lambda x: struct.unpack("f", struct.pack("f", x))[0]   # noqa: E731
+    assert decay == f32(1 - 1e-3 * 0.1)
+    assert beta1_weight == f32(1 - 0.9) and beta2 == f32(0.999) and beta2_weight == f32(1 - 0.999)
+    assert eps == f32(1e-8)
+    assert step_size == f32(1e-3 / (1 - 0.9 ** 3))
+    assert bc2_sqrt == f32((1 - 0.999 ** 3) ** 0.5)
+    assert grad_scale == 0.5 and maximize == 1
+    with pytest.raises(TypeError, match="missing required argument 'lr'"):
+        _C.adamw_hparams_bytes(beta1=0.9)
+
+
+@pytest.mark.parametrize("device", [-1, 1 << 20, "0"])
+def test_stream_and_event_devices_are_checked(device):
+    with pytest.raises((ValueError, TypeError)):
+        _C.CudaStream(device)
+    with pytest.raises((ValueError, TypeError)):
+        _C.CudaEvent(device=device)
