@@ -1,6 +1,7 @@
 # rlhfz: two commands do all the set-up on a fresh machine.
 #   make demo   build, install, and train the demo model with ZeroAdamW beside torch.optim.AdamW
 #   make test   build, install, and run the test suite
+#   make gpu-check  (on a GPU machine) build, run the GPU tests and benchmarks, print a summary
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 # torch is pinned: the CPU wheel; an unpinned torch pulls a multi-GB CUDA build.
@@ -8,7 +9,7 @@ TORCH_PIN ?= torch==2.13.0
 # nvidia-nccl-cu13: the NCCL library the native communicator loads (its tests run without a GPU)
 DEPS := $(TORCH_PIN) numpy pytest pytest-benchmark hypothesis "setuptools>=64" wheel nvidia-nccl-cu13
 
-.PHONY: deps install demo test bench clean
+.PHONY: deps install demo test bench gpu-check clean
 
 deps:
 	$(PIP) install --quiet --disable-pip-version-check $(DEPS)
@@ -25,6 +26,11 @@ test: install
 bench: install
 	$(PYTHON) -m pytest -q benchmarks --benchmark-columns=min,mean,stddev,rounds \
 		--benchmark-group-by=group
+
+# A GPU machine keeps its own CUDA torch (and may have no network): build only.
+gpu-check:
+	$(PIP) install --quiet --disable-pip-version-check --no-build-isolation --no-deps -e .
+	$(PYTHON) benchmarks/gpu_check.py
 
 clean:
 	rm -rf build *.egg-info rlhfz/_C*.so .pytest_cache .benchmarks

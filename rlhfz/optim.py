@@ -415,9 +415,9 @@ class ZeroAdamW(Optimizer):
         plan = self._plan("clip_grad_norm_")
         total = math.sqrt(self._sumsq(plan))
         if error_if_nonfinite and not math.isfinite(total):
-            raise RuntimeError(f"The total norm of order 2.0 for gradients from `parameters` is "
-                               f"non-finite, so it cannot be clipped. To disable this error and "
-                               f"scale the gradients by the non-finite norm anyway, set "
+            raise RuntimeError("The total norm of order 2.0 for gradients from `parameters` is "
+                               "non-finite, so it cannot be clipped. To disable this error and "
+                               "scale the gradients by the non-finite norm anyway, set "
                                "`error_if_nonfinite=False`")
         coef = max_norm / (total + 1e-6)
         if coef < 1.0:
