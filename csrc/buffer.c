@@ -69,6 +69,24 @@ rlhfz_Buffer *rlhfz_buffer_alloc(rlhfz_state *state, size_t nbytes, size_t align
     return rlhfz_buffer_alloc_in(state, RLHFZ_TIER_HOST, -1, nbytes, alignment, zero);
 }
 
+/* A Buffer object owning nothing yet, and the bytes to allocate for it: a
+ * zero-byte buffer still gets a block (DLPack consumers expect a non-null
+ * pointer, and a file cannot map empty), and sizes round up to whole cache
+ * lines, so SIMD loops may read a tail safely. */
+static rlhfz_Buffer *new_buffer(rlhfz_state *state, size_t nbytes, size_t *padded)
+{
+    *padded = nbytes == 0 ? 64 : (nbytes + 63) / 64 * 64;
+    if (*padded < nbytes)
+        return (rlhfz_Buffer *)PyErr_NoMemory();
+    rlhfz_Buffer *self = (rlhfz_Buffer *)state->Buffer_type->tp_alloc(state->Buffer_type, 0);
+    if (self == NULL)
+        return NULL;
+    self->tier = RLHFZ_TIER_HOST;
+    self->device = -1;
+    self->fd = -1;
+    return self;
+}
+
 rlhfz_Buffer *rlhfz_buffer_alloc_in(rlhfz_state *state, rlhfz_tier tier, int device,
                                     size_t nbytes, size_t alignment, int zero)
 {
@@ -77,17 +95,15 @@ rlhfz_Buffer *rlhfz_buffer_alloc_in(rlhfz_state *state, rlhfz_tier tier, int dev
                      sizeof(void *), alignment);
         return NULL;
     }
-    /* A zero-byte buffer still gets a block (DLPack consumers expect a
-     * non-null pointer); sizes round up to whole cache lines, zeroed, so
-     * SIMD loops may read a tail safely. */
-    size_t padded = nbytes == 0 ? 64 : (nbytes + 63) / 64 * 64;
-    if (padded < nbytes)
-        return (rlhfz_Buffer *)PyErr_NoMemory();
-    rlhfz_Buffer *self = (rlhfz_Buffer *)state->Buffer_type->tp_alloc(state->Buffer_type, 0);
+    size_t padded;
+    rlhfz_Buffer *self = new_buffer(state, nbytes, &padded);
     if (self == NULL)
         return NULL;
-    self->tier = RLHFZ_TIER_HOST;
-    self->device = -1;
+    if (tier == RLHFZ_TIER_DISK) {
+        PyErr_SetString(PyExc_ValueError, "a disk Buffer needs a directory (path=...)");
+        Py_DECREF(self);
+        return NULL;
+    }
     void *data = NULL;
     if (rlhfz_tier_alloc(&tier, &device, padded, alignment, zero, &data) < 0) {
         Py_DECREF(self);
@@ -101,17 +117,37 @@ rlhfz_Buffer *rlhfz_buffer_alloc_in(rlhfz_state *state, rlhfz_tier tier, int dev
     return self;
 }
 
+rlhfz_Buffer *rlhfz_buffer_alloc_disk(rlhfz_state *state, const char *dir, size_t nbytes)
+{
+    size_t padded;
+    rlhfz_Buffer *self = new_buffer(state, nbytes, &padded);
+    if (self == NULL)
+        return NULL;
+    if (rlhfz_disk_alloc(dir, padded, &self->data, &self->fd, &self->path) < 0) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    self->tier = RLHFZ_TIER_DISK;
+    self->nbytes = nbytes;
+    self->mapped = padded;
+    self->alignment = 4096;     /* mmap gives whole pages */
+    return self;
+}
+
 static PyObject *Buffer_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
-    static char *kwlist[] = {"nbytes", "tier", "device", "alignment", "zero", NULL};
+    static char *kwlist[] = {"nbytes", "tier", "device", "alignment", "zero", "path", NULL};
     Py_ssize_t nbytes;
     const char *tier_text = "host";
     int device = -1;
     Py_ssize_t alignment = RLHFZ_DEFAULT_ALIGNMENT;
     int zero = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "n|s$inp:Buffer", kwlist,
-                                     &nbytes, &tier_text, &device, &alignment, &zero))
+    PyObject *path = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "n|s$inpO&:Buffer", kwlist,
+                                     &nbytes, &tier_text, &device, &alignment, &zero,
+                                     PyUnicode_FSConverter, &path))
         return NULL;
+    rlhfz_Buffer *made = NULL;
     if (nbytes < 0) {
         PyErr_Format(PyExc_ValueError, "nbytes must be >= 0, not %zd", nbytes);
         return NULL;
@@ -122,17 +158,27 @@ static PyObject *Buffer_new(PyTypeObject *type, PyObject *args, PyObject *kwargs
     }
     rlhfz_tier tier;
     if (rlhfz_tier_from_name(tier_text, &tier) < 0)
-        return NULL;
+        goto done;
     if (device < -1 || (device >= 0 && tier != RLHFZ_TIER_DEVICE)) {
         PyErr_Format(PyExc_ValueError, "device must be -1 (the current one) or a CUDA ordinal "
                      "for the device tier, not %d for tier %s", device, tier_text);
-        return NULL;
+        goto done;
+    }
+    if ((path != NULL) != (tier == RLHFZ_TIER_DISK)) {
+        PyErr_SetString(PyExc_ValueError, path != NULL ? "path is for the disk tier only"
+                                                       : "the disk tier needs path= (a directory)");
+        goto done;
     }
     rlhfz_state *state = rlhfz_state_from_type(type);
     if (state == NULL)
-        return NULL;
-    return (PyObject *)rlhfz_buffer_alloc_in(state, tier, device, (size_t)nbytes,
-                                             (size_t)alignment, zero);
+        goto done;
+    if (tier == RLHFZ_TIER_DISK)
+        made = rlhfz_buffer_alloc_disk(state, PyBytes_AS_STRING(path), (size_t)nbytes);
+    else
+        made = rlhfz_buffer_alloc_in(state, tier, device, (size_t)nbytes, (size_t)alignment, zero);
+done:
+    Py_XDECREF(path);
+    return (PyObject *)made;
 }
 
 static void release_external(rlhfz_Buffer *self)
@@ -159,8 +205,11 @@ static void Buffer_dealloc(rlhfz_Buffer *self)
         PyObject_ClearWeakRefs((PyObject *)self);
     if (self->tier == RLHFZ_TIER_EXTERNAL)
         release_external(self);
+    else if (self->tier == RLHFZ_TIER_DISK)
+        rlhfz_disk_free(self->data, self->mapped, self->fd, self->path);
     else
         rlhfz_tier_free(self->tier, self->device, self->data);
+    self->path = NULL;
     self->data = NULL;
     type->tp_free(self);
     Py_DECREF(type);
@@ -192,12 +241,65 @@ static PyObject *Buffer_from_dlpack(PyTypeObject *type, PyObject *obj)
         return NULL;
     self->tier = RLHFZ_TIER_EXTERNAL;
     self->device = -1;
+    self->fd = -1;
     self->alignment = 1;
     if (rlhfz_buffer_import_dlpack(self, obj) < 0) {
         Py_DECREF(self);
         return NULL;
     }
     return (PyObject *)self;
+}
+
+/* copy_from(src, *, stream=None, non_blocking=False): this buffer's bytes =
+ * src's, between any two tiers. CUDA copies go on stream; non_blocking
+ * leaves them in flight (the caller orders what reads them). */
+static PyObject *Buffer_copy_from(rlhfz_Buffer *self, PyObject *const *args, Py_ssize_t nargs,
+                                  PyObject *kwnames)
+{
+    static const char *const names[] = {"src", "stream", "non_blocking", NULL};
+    PyObject *slots[3];
+    if (rlhfz_parse_args("copy_from", args, nargs, kwnames, names, 1, 1, slots) < 0)
+        return NULL;
+    if (!PyObject_TypeCheck(slots[0], Py_TYPE(self))) {
+        PyErr_Format(PyExc_TypeError, "src must be a Buffer, not %.200s", Py_TYPE(slots[0])->tp_name);
+        return NULL;
+    }
+    rlhfz_Buffer *src = (rlhfz_Buffer *)slots[0];
+    if (src->nbytes != self->nbytes) {
+        PyErr_Format(PyExc_ValueError, "src has %zu bytes but this buffer has %zu", src->nbytes,
+                     self->nbytes);
+        return NULL;
+    }
+    void *stream = NULL;
+    int non_blocking = 0;
+    if (rlhfz_stream_from_object(slots[1], &stream) < 0 ||
+        (slots[2] != NULL && (non_blocking = PyObject_IsTrue(slots[2])) < 0))
+        return NULL;
+    if (src == self || self->nbytes == 0)
+        Py_RETURN_NONE;
+    int any_cuda = src->tier == RLHFZ_TIER_DEVICE || self->tier == RLHFZ_TIER_DEVICE;
+    if (rlhfz_tier_copy_on(self->data, src->data, self->nbytes, any_cuda, stream, !non_blocking) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Buffer_release_pages(rlhfz_Buffer *self, PyObject *unused)
+{
+    if (self->tier != RLHFZ_TIER_DISK) {
+        PyErr_Format(PyExc_ValueError, "release_pages() is for disk buffers, not %s ones",
+                     rlhfz_tier_name(self->tier));
+        return NULL;
+    }
+    if (rlhfz_disk_release_pages(self->data, self->mapped) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Buffer_get_path(rlhfz_Buffer *self, void *c)
+{
+    if (self->path == NULL)
+        Py_RETURN_NONE;
+    return PyUnicode_DecodeFSDefault(self->path);
 }
 
 static PyObject *Buffer_get_nbytes(rlhfz_Buffer *self, void *c) { return PyLong_FromSize_t(self->nbytes); }
@@ -219,6 +321,13 @@ static PyMethodDef Buffer_methods[] = {
      "A typed range of this buffer; offset counts elements of dtype, and shape\n"
      "None means every element from offset to the end, as one dimension."},
     {"zero_", (PyCFunction)Buffer_zero_, METH_NOARGS, "Fill the buffer with zero bytes."},
+    {"copy_from", (PyCFunction)(void (*)(void))Buffer_copy_from, METH_FASTCALL | METH_KEYWORDS,
+     "copy_from(src, *, stream=None, non_blocking=False)\n\n"
+     "Copy src's bytes (a Buffer of the same size, any tier) into this buffer, with the\n"
+     "GIL released. CUDA copies are queued on stream; non_blocking leaves them in flight."},
+    {"release_pages", (PyCFunction)Buffer_release_pages, METH_NOARGS,
+     "Disk tier: drop this process's resident pages (the file keeps the bytes; they\n"
+     "fault back in when next read)."},
     {"from_dlpack", (PyCFunction)Buffer_from_dlpack, METH_O | METH_CLASS,
      "from_dlpack(tensor) -> Buffer\n\n"
      "Adopt a contiguous host tensor's memory (consuming its DLPack capsule);\n"
@@ -230,9 +339,10 @@ static PyGetSetDef Buffer_getset[] = {
     {"nbytes", (getter)Buffer_get_nbytes, NULL, "size in bytes", NULL},
     {"alignment", (getter)Buffer_get_alignment, NULL, "alignment of the start, in bytes", NULL},
     {"tier", (getter)Buffer_get_tier, NULL,
-     "memory tier: host, pinned, device or external (pinned asked for with no usable CUDA "
-     "device gives host)", NULL},
+     "memory tier: host, pinned, device, disk or external (pinned asked for with no usable "
+     "CUDA device gives host)", NULL},
     {"device", (getter)Buffer_get_device, NULL, "CUDA ordinal of device memory, else -1", NULL},
+    {"path", (getter)Buffer_get_path, NULL, "the file behind a disk buffer, else None", NULL},
     {"address", (getter)Buffer_get_address, NULL, "address of the first byte", NULL},
     {"exports", (getter)Buffer_get_exports, NULL,
      "DLPack exports of this buffer that their consumers still hold", NULL},
@@ -245,9 +355,10 @@ static PyMemberDef Buffer_members[] = {
 };
 
 static PyType_Slot Buffer_slots[] = {
-    {Py_tp_doc, "Buffer(nbytes, tier='host', *, device=-1, alignment=64, zero=True)\n\n"
+    {Py_tp_doc, "Buffer(nbytes, tier='host', *, device=-1, alignment=64, zero=True, path=None)\n\n"
                 "An owned, aligned allocation. Views of it are exported through DLPack\n"
-                "without copying, and each export keeps the buffer alive."},
+                "without copying, and each export keeps the buffer alive. The disk tier is\n"
+                "a new file in the directory `path`, mapped into memory and deleted on free."},
     {Py_tp_new, Buffer_new},
     {Py_tp_dealloc, Buffer_dealloc},
     {Py_tp_traverse, Buffer_traverse},
@@ -561,7 +672,8 @@ static PyObject *BufferView_dlpack(rlhfz_BufferView *self, PyObject *const *args
         rlhfz_state *state = rlhfz_state_from_type(Py_TYPE(self));
         if (state == NULL)
             return NULL;
-        rlhfz_tier tier = source->tier == RLHFZ_TIER_EXTERNAL ? RLHFZ_TIER_HOST : source->tier;
+        rlhfz_tier tier = source->tier == RLHFZ_TIER_EXTERNAL || source->tier == RLHFZ_TIER_DISK
+                              ? RLHFZ_TIER_HOST : source->tier;
         size_t alignment = source->alignment < 64 ? 64 : source->alignment;
         buffer = rlhfz_buffer_alloc_in(state, tier, source->device, nbytes,
                                        alignment > 256 && tier != RLHFZ_TIER_HOST ? 256 : alignment,

@@ -27,7 +27,8 @@ typedef enum {
     RLHFZ_TIER_HOST = 0,
     RLHFZ_TIER_EXTERNAL = 1,  /* memory imported through DLPack, owned by its producer */
     RLHFZ_TIER_PINNED = 2,    /* page-locked host memory (cudaHostAlloc) */
-    RLHFZ_TIER_DEVICE = 3     /* CUDA device memory (cudaMalloc) */
+    RLHFZ_TIER_DEVICE = 3,    /* CUDA device memory (cudaMalloc) */
+    RLHFZ_TIER_DISK = 4       /* a file in a caller's directory, mapped shared */
 } rlhfz_tier;
 
 typedef struct {
@@ -41,6 +42,10 @@ typedef struct {
     /* tier external: the imported managed tensor, released on dealloc */
     void *external;
     int external_versioned;
+    /* tier disk: the open file, its path (deleted on free), the bytes mapped */
+    int fd;
+    char *path;
+    size_t mapped;
     PyObject *weakreflist;
 } rlhfz_Buffer;
 
@@ -74,6 +79,13 @@ int rlhfz_buffer_add_types(PyObject *module, rlhfz_state *state);
 rlhfz_Buffer *rlhfz_buffer_alloc(rlhfz_state *state, size_t nbytes, size_t alignment, int zero);
 rlhfz_Buffer *rlhfz_buffer_alloc_in(rlhfz_state *state, rlhfz_tier tier, int device,
                                     size_t nbytes, size_t alignment, int zero);
+rlhfz_Buffer *rlhfz_buffer_alloc_disk(rlhfz_state *state, const char *dir, size_t nbytes);
+
+/* disk_tier.c: a file of nbytes in dir, mapped shared (zeros until written).
+ * Each returns 0, or -1 with an OSError naming the file and the cause. */
+int rlhfz_disk_alloc(const char *dir, size_t nbytes, void **data, int *fd, char **path);
+void rlhfz_disk_free(void *data, size_t nbytes, int fd, char *path);
+int rlhfz_disk_release_pages(void *data, size_t nbytes);
 
 /* memory_tiers.c: allocation, release, zeroing and copies per tier. Each
  * returns 0, or -1 with an exception set. rlhfz_tier_alloc may change a
@@ -88,6 +100,9 @@ int rlhfz_tier_alloc(rlhfz_tier *tier, int *device, size_t nbytes, size_t alignm
 void rlhfz_tier_free(rlhfz_tier tier, int device, void *data);
 int rlhfz_tier_zero(rlhfz_tier tier, void *data, size_t nbytes);
 int rlhfz_tier_copy(void *dst, const void *src, size_t nbytes, int any_cuda);
+/* The same, queued on stream when CUDA copies; blocking: wait for it. */
+int rlhfz_tier_copy_on(void *dst, const void *src, size_t nbytes, int any_cuda, void *stream,
+                       int blocking);
 
 /* Where a kernel entry point needs its arrays. */
 typedef enum {

@@ -14,6 +14,9 @@ __version__ = _C.__version__
 _LAZY = {
     "ZeroAdamW": ("rlhfz.optim", "ZeroAdamW"),
     "NonFiniteGradError": ("rlhfz.optim", "NonFiniteGradError"),
+    "offload": ("rlhfz.migrate", "offload"),
+    "reload": ("rlhfz.migrate", "reload"),
+    "offloaded": ("rlhfz.migrate", "offloaded"),
 }
 
 
@@ -64,5 +67,5 @@ def __dir__():
     return sorted(list(globals()) + list(_LAZY))
 
 
-__all__ = ["ZeroAdamW", "NonFiniteGradError", "build_info", "set_num_threads",
-           "get_num_threads", "__version__"]
+__all__ = ["ZeroAdamW", "NonFiniteGradError", "offload", "reload", "offloaded", "build_info",
+           "set_num_threads", "get_num_threads", "__version__"]

@@ -19,8 +19,8 @@ class HostBackend:
     tier = "host"
     device = torch.device("cpu")
 
-    def buffer(self, nbytes: int):
-        return _C.Buffer(nbytes)
+    def buffer(self, nbytes: int, zero: bool = True):
+        return _C.Buffer(nbytes, zero=zero)
 
     def adamw_step(self, views, step: int, hparams: dict) -> None:
         _C.adamw_step(*views, step=step, **hparams)
@@ -59,8 +59,8 @@ class CudaBackend:
     def stream(self) -> int:
         return torch.cuda.current_stream(self.index).cuda_stream
 
-    def buffer(self, nbytes: int):
-        return _C.Buffer(nbytes, tier="device", device=self.index)
+    def buffer(self, nbytes: int, zero: bool = True):
+        return _C.Buffer(nbytes, tier="device", device=self.index, zero=zero)
 
     def adamw_step(self, views, step: int, hparams: dict) -> None:
         _C.cuda_adamw_step(*views, step=step, stream=self.stream(), **hparams)

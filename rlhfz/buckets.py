@@ -72,48 +72,13 @@ class Bucket:
         self.reduce_staging_buffer = (alloc(n * reduce_itemsize)
                                       if world_size > 1 and full_grads
                                       and self.reduce_dtype != dtype else None)
-        # (buffer, element offset) of the grad shard's first element
-        if self.grad_shard_buffer is not None:
-            self._grad_shard_at = (self.grad_shard_buffer, 0)
-        else:
-            self._grad_shard_at = (self.reduce_staging_buffer or self.grad_buffer,
-                                   self.shard_start)
         self.master_buffer = None if dtype == torch.float32 else alloc(shard * 4)
         self.exp_avg_buffer = alloc(shard * 4)
         self.exp_avg_sq_buffer = alloc(shard * 4)
-
-        # Kernel-facing views of whole buckets and shards: passed to _C without DLPack.
-        self.param_kview = self.param_buffer.view(self.dtype_name)
-        self.grad_kview = self.grad_buffer.view(self.dtype_name) if full_grads else None
-        self.grad_shard_kview = self.grad_shard_kview_range(0, shard)
-        self.master_kview = self._master_view(0, shard)
-        self.param_shard_kview = self.param_buffer.view(self.dtype_name, self.shard_start,
-                                                        (shard,))
-        self.exp_avg_kview = self.exp_avg_buffer.view("float32")
-        self.exp_avg_sq_kview = self.exp_avg_sq_buffer.view("float32")
-
-        # Torch-facing flat tensors, and per-param views of them. Slices of one
-        # flat tensor share its version counter, which tells whether any grad
-        # in the bucket was modified in place since a check.
-        self.flat_param = torch.from_dlpack(self.param_kview)
-        self.flat_grad = torch.from_dlpack(self.grad_kview) if full_grads else None
-        self.flat_grad_shard = torch.from_dlpack(self.grad_shard_kview)
-        self.flat_reduce_staging = (
-            torch.from_dlpack(self.reduce_staging_buffer.view(DTYPE_NAMES[self.reduce_dtype]))
-            if self.reduce_staging_buffer is not None else None)
-        self.flat_param_shard = torch.from_dlpack(self.param_shard_kview)
-        self.flat_master = torch.from_dlpack(self.master_kview)
-        self.flat_exp_avg = torch.from_dlpack(self.exp_avg_kview)
-        self.flat_exp_avg_sq = torch.from_dlpack(self.exp_avg_sq_kview)
-        self.param_views = self._views(self.flat_param)
-        self.grad_views = self._views(self.flat_grad) if full_grads else None
         # Each param's part of this rank's shard, in shard coordinates (empty
-        # ranges for params wholly on other ranks). With one rank, the state
-        # views have the params' shapes, as torch.optim.AdamW's do.
+        # ranges for params wholly on other ranks).
         self.local = [self._local_range(slot) for slot in self.layout.slots]
-        self.master_views = self._state_views(self.flat_master) if self.master_buffer else None
-        self.exp_avg_views = self._state_views(self.flat_exp_avg)
-        self.exp_avg_sq_views = self._state_views(self.flat_exp_avg_sq)
+        self._build_views()
         self.reduced_version = None    # flat_grad's version when last reduce-scattered
         # Per-param step counts, as torch.optim.AdamW keeps them; state['step']
         # is a 0-dim view of one entry.
@@ -134,6 +99,76 @@ class Bucket:
         self.gaps = self.layout.gaps()
         self.arrived_now = 0          # distinct params staged this round
         self.launched = False
+
+    # Buffers by the kind offload() names them, and the torch tensors that
+    # are views of them (rebind() re-points these in place).
+    BUFFERS = {"params": ("param_buffer",),
+               "grads": ("grad_buffer", "grad_shard_buffer", "reduce_staging_buffer"),
+               "optimizer": ("master_buffer", "exp_avg_buffer", "exp_avg_sq_buffer")}
+    _TENSORS = ("flat_param", "flat_grad", "flat_grad_shard", "flat_reduce_staging",
+                "flat_param_shard", "flat_master", "flat_exp_avg", "flat_exp_avg_sq")
+    _TENSOR_LISTS = ("param_views", "grad_views", "master_views", "exp_avg_views",
+                     "exp_avg_sq_views")
+
+    def _build_views(self) -> None:
+        """Kernel views and torch tensors over the current buffers."""
+        shard = self.layout.shard_numel
+        # (buffer, element offset) of the grad shard's first element
+        if self.grad_shard_buffer is not None:
+            self._grad_shard_at = (self.grad_shard_buffer, 0)
+        else:
+            self._grad_shard_at = (self.reduce_staging_buffer or self.grad_buffer,
+                                   self.shard_start)
+        # Kernel-facing views of whole buckets and shards: passed to _C without DLPack.
+        self.param_kview = self.param_buffer.view(self.dtype_name)
+        self.grad_kview = self.grad_buffer.view(self.dtype_name) if self.full_grads else None
+        self.grad_shard_kview = self.grad_shard_kview_range(0, shard)
+        self.master_kview = self._master_view(0, shard)
+        self.param_shard_kview = self.param_buffer.view(self.dtype_name, self.shard_start,
+                                                        (shard,))
+        self.exp_avg_kview = self.exp_avg_buffer.view("float32")
+        self.exp_avg_sq_kview = self.exp_avg_sq_buffer.view("float32")
+
+        # Torch-facing flat tensors, and per-param views of them. Slices of one
+        # flat tensor share its version counter, which tells whether any grad
+        # in the bucket was modified in place since a check.
+        self.flat_param = torch.from_dlpack(self.param_kview)
+        self.flat_grad = torch.from_dlpack(self.grad_kview) if self.full_grads else None
+        self.flat_grad_shard = torch.from_dlpack(self.grad_shard_kview)
+        self.flat_reduce_staging = (
+            torch.from_dlpack(self.reduce_staging_buffer.view(DTYPE_NAMES[self.reduce_dtype]))
+            if self.reduce_staging_buffer is not None else None)
+        self.flat_param_shard = torch.from_dlpack(self.param_shard_kview)
+        self.flat_master = torch.from_dlpack(self.master_kview)
+        self.flat_exp_avg = torch.from_dlpack(self.exp_avg_kview)
+        self.flat_exp_avg_sq = torch.from_dlpack(self.exp_avg_sq_kview)
+        self.param_views = self._views(self.flat_param)
+        self.grad_views = self._views(self.flat_grad) if self.full_grads else None
+        # With one rank, the state views have the params' shapes, as
+        # torch.optim.AdamW's do.
+        self.master_views = self._state_views(self.flat_master) if self.master_buffer else None
+        self.exp_avg_views = self._state_views(self.flat_exp_avg)
+        self.exp_avg_sq_views = self._state_views(self.flat_exp_avg_sq)
+
+    def rebind(self) -> None:
+        """After buffers were replaced: every tensor handed out before (param
+        data, grads, optimizer state) is re-pointed in place at the new
+        memory, so no reference anyone holds changes identity."""
+        before = {name: getattr(self, name) for name in self._TENSORS + self._TENSOR_LISTS}
+        self._build_views()
+        with torch.no_grad():
+            for name, old in before.items():
+                new = getattr(self, name)
+                if old is None:
+                    continue
+                if isinstance(old, list):
+                    for o, n in zip(old, new):
+                        o.data = n
+                else:
+                    old.data = new
+                setattr(self, name, old)
+            for p, view in zip(self.params, self.param_views):
+                p.data = view
 
     def _master_view(self, lo: int, n: int):
         """fp32 master over shard elements [lo, lo + n): its own buffer for
@@ -279,16 +314,20 @@ class Bucket:
 
     # ---- accounting -------------------------------------------------------------------
 
-    def nbytes(self) -> dict[str, int]:
-        shard_grads = sum(buffer.nbytes for buffer in (self.grad_shard_buffer,
-                                                         self.reduce_staging_buffer) if buffer)
-        return {
-            "params": self.param_buffer.nbytes,
-            "grads": (self.grad_buffer.nbytes if self.grad_buffer else 0) + shard_grads,
-            "master": self.master_buffer.nbytes if self.master_buffer is not None else 0,
-            "exp_avg": self.exp_avg_buffer.nbytes,
-            "exp_avg_sq": self.exp_avg_sq_buffer.nbytes,
-        }
+    def nbytes_by_tier(self) -> dict[str, dict[str, int]]:
+        """{kind: {tier: bytes}}, kinds as memory_report names them."""
+        report: dict[str, dict[str, int]] = {}
+        kinds = {"params": ("param_buffer",),
+                 "grads": ("grad_buffer", "grad_shard_buffer", "reduce_staging_buffer"),
+                 "master": ("master_buffer",), "exp_avg": ("exp_avg_buffer",),
+                 "exp_avg_sq": ("exp_avg_sq_buffer",)}
+        for kind, attrs in kinds.items():
+            entry = report.setdefault(kind, {})
+            for attr in attrs:
+                buffer = getattr(self, attr)
+                if buffer is not None:
+                    entry[buffer.tier] = entry.get(buffer.tier, 0) + buffer.nbytes
+        return report
 
 
 def _make_grad_hook(bucket_ref, index):

@@ -20,7 +20,7 @@ from .comm import communicator_for
 from .layout import stage2_bucket_bytes
 from .reducer import GradReducer
 
-_TIERS = ("device", "pinned", "host")
+_TIERS = ("device", "pinned", "host", "disk")
 _KINDS = ("params", "grads", "master", "exp_avg", "exp_avg_sq")
 
 
@@ -206,6 +206,8 @@ class ZeroAdamW(Optimizer):
         self.reducer = (GradReducer(self._buckets, self.comm, self.backend)
                         if stage == 2 and self.world_size > 1 else None)
         self._finite_versions: tuple[int, ...] | None = None
+        self._offloaded: set[str] = set()          # kinds offload() moved away from home
+        self._held_elsewhere: list = []            # (kind, weakref to a Buffer) still viewed
 
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
                         maximize=maximize, foreach=foreach, capturable=False,
@@ -351,6 +353,10 @@ class ZeroAdamW(Optimizer):
         """(bucket, which params have grads, runs of params that step together,
         kernel ranges in shard elements) for every bucket, with grads reduced
         across ranks."""
+        if self._offloaded:
+            raise RuntimeError(f"{call}() needs the optimizer's memory where it trains, but "
+                               f"{', '.join(sorted(self._offloaded))} are offloaded: call "
+                               f"reload() first")
         if self.reducer is not None:
             self.reducer.finish()
             presence = [list(bucket.arrived) for bucket in self._buckets]
@@ -666,19 +672,53 @@ class ZeroAdamW(Optimizer):
     # ---- reports ---------------------------------------------------------------------
 
     def memory_report(self) -> dict[str, dict[str, int]]:
-        """Bytes this rank's optimizer owns, by kind and tier. fp32 params are
-        their own master weights, so 'master' counts only separate copies."""
+        """Bytes this rank's optimizer owns, by kind and by the tier each
+        lives in now. fp32 params are their own master weights, so 'master'
+        counts only separate copies. Memory that offload() could not free
+        because a tensor outside still views it appears under the tier
+        'held_elsewhere' of its kind."""
         report = {kind: {tier: 0 for tier in _TIERS} for kind in _KINDS}
-        tier = self.backend.tier
         for bucket in self._buckets:
-            for kind, nbytes in bucket.nbytes().items():
-                report[kind][tier] += nbytes
+            for kind, per_tier in bucket.nbytes_by_tier().items():
+                for tier, nbytes in per_tier.items():
+                    report[kind][tier] += nbytes
         if self.reducer is not None:
-            report["grads"][tier] += self.reducer.nbytes()
+            report["grads"][self.backend.tier] += self.reducer.nbytes()
+        self._held_elsewhere = [(kind, ref) for kind, ref in self._held_elsewhere
+                                if ref() is not None and ref().exports > 0]
+        for kind, ref in self._held_elsewhere:
+            buffer = ref()
+            if buffer is not None:
+                kinds = ("master", "exp_avg", "exp_avg_sq") if kind == "optimizer" else (kind,)
+                entry = report[kinds[0]]
+                entry["held_elsewhere"] = entry.get("held_elsewhere", 0) + buffer.nbytes
         return report
 
     def placement(self) -> dict[str, str]:
-        return {kind: self.backend.tier for kind in _KINDS}
+        """Where each kind lives now: 'device', 'pinned', 'host' or 'disk'."""
+        report = self.memory_report()
+        home = self.backend.tier
+        placement = {}
+        for kind in _KINDS:
+            tiers = [t for t in _TIERS if report[kind][t] > 0]
+            placement[kind] = tiers[0] if len(tiers) == 1 else (home if not tiers else
+                                                                "+".join(tiers))
+        return placement
+
+    def offload(self, what=("params", "grads", "optimizer"), to="cpu", path=None,
+                non_blocking=False) -> None:
+        """Moves this rank's params, grads and/or optimizer state to host
+        memory (to="cpu") or to files in the directory `path` (to="disk").
+        Every tensor keeps its identity; the memory left behind goes back
+        (device memory to the driver). Offloading what is already there
+        does nothing. Call reload() before the next step."""
+        from .migrate import offload_optimizer
+        offload_optimizer(self, what, to, path, non_blocking)
+
+    def reload(self, non_blocking=False) -> None:
+        """Brings everything offload() moved back where the optimizer trains."""
+        from .migrate import reload_optimizer
+        reload_optimizer(self, non_blocking)
 
     def close(self) -> None:
         """Releases what the optimizer holds outside Python's reach: the

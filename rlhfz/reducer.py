@@ -59,6 +59,15 @@ class GradReducer:
             self._staging[dtype] = tensors[:2]
             self._scratch[dtype] = tensors[2]
 
+    def release(self) -> None:
+        """Frees the staging memory (it holds nothing between backwards);
+        reserve() makes it again."""
+        self.flush()
+        self._staging.clear()
+        self._staging_buffers.clear()
+        self._scratch.clear()
+        self._slot_owner.clear()
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for ts in self._staging.values() for t in ts) + \
             sum(t.numel() * t.element_size() for t in self._scratch.values())

@@ -1,0 +1,295 @@
+"""Offload and reload: moving an optimizer's and a model's memory between tiers.
+
+A move allocates every target first, copies, then swaps the buffers and
+re-points every tensor in place (Bucket.rebind, or `t.data = view` for a
+module's own tensors): Parameters, grads and optimizer state keep their
+identity, and the old memory is freed as soon as nothing references it.
+Anything that fails before the swap (no memory, an unwritable directory, a
+full disk) leaves every tensor where it was. A tensor someone still holds
+on the old memory keeps it alive: that is reported, with its bytes.
+
+Tiers: "cpu" means pinned host memory while a budget lasts (pin_memory=
+True, or "auto"), pageable beyond it or with pin_memory=False; "disk" is a
+file per buffer in the directory `path`, deleted on reload.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import warnings
+import weakref
+
+import torch
+
+from . import _C
+from .buckets import Bucket
+
+KINDS = ("params", "grads", "optimizer")
+DEFAULT_PIN_FRACTION = 0.5     # of available RAM, and of RLIMIT_MEMLOCK when it is set
+
+
+def check_what(what) -> tuple[str, ...]:
+    if isinstance(what, str):
+        what = (what,)
+    what = tuple(what)
+    bad = [k for k in what if k not in KINDS]
+    if bad or not what:
+        raise ValueError(f"what must name some of {KINDS}, not {what!r}")
+    return what
+
+
+def check_target(to: str, path) -> None:
+    if to not in ("cpu", "disk"):
+        raise ValueError(f"to must be 'cpu' or 'disk', not {to!r}")
+    if to == "disk":
+        if path is None:
+            raise ValueError("to='disk' needs path= (a directory for the offload files)")
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"offload path {path!r} is not a directory")
+    elif path is not None:
+        raise ValueError("path= is for to='disk'")
+
+
+def _available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def pin_budget() -> int:
+    """Bytes rlhfz pins at most under pin_memory="auto": a fraction of the
+    RAM available now, and of RLIMIT_MEMLOCK where that limit is set."""
+    budget = int(DEFAULT_PIN_FRACTION * _available_ram())
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft != resource.RLIM_INFINITY:
+        budget = min(budget, int(DEFAULT_PIN_FRACTION * soft))
+    override = os.environ.get("RLHFZ_PIN_BUDGET_BYTES")
+    return int(override) if override else budget
+
+
+class _Pinned:
+    """The bytes rlhfz has pinned in this process (weakly held buffers)."""
+
+    buffers: "weakref.WeakSet" = weakref.WeakSet()
+    noticed = False
+
+    @classmethod
+    def in_use(cls) -> int:
+        return sum(b.nbytes for b in cls.buffers)
+
+    @classmethod
+    def notice(cls, text: str) -> None:
+        if not cls.noticed:
+            cls.noticed = True
+            warnings.warn(text, RuntimeWarning, stacklevel=4)
+
+
+def host_buffer(nbytes: int, pin_memory, zero: bool = False):
+    """Host memory for an offload (every byte is copied in, so not zeroed):
+    pinned while allowed, else pageable. Pinning never fails a run: when it
+    is refused, pageable memory is used."""
+    if pin_memory is False or not _C.build_info()["cuda"]:
+        return _C.Buffer(nbytes, zero=zero)
+    if pin_memory == "auto" and _Pinned.in_use() + nbytes > pin_budget():
+        _Pinned.notice(f"rlhfz: pinned host memory is at its budget ({pin_budget()} bytes; "
+                       f"RLHFZ_PIN_BUDGET_BYTES sets it): offloading to pageable memory")
+        return _C.Buffer(nbytes, zero=zero)
+    try:
+        buffer = _C.Buffer(nbytes, "pinned", zero=zero)
+    except MemoryError as error:
+        _Pinned.notice(f"rlhfz: pinning {nbytes} bytes failed ({error}): offloading to "
+                       f"pageable memory")
+        return _C.Buffer(nbytes, zero=zero)
+    _Pinned.buffers.add(buffer)
+    return buffer
+
+
+def _allocator(to: str, path, pin_memory):
+    if to == "disk":
+        return lambda nbytes: _C.Buffer(nbytes, "disk", path=os.fspath(path))
+    return lambda nbytes: host_buffer(nbytes, pin_memory)
+
+
+def _already_there(buffer, to: str) -> bool:
+    return buffer.tier in ("host", "pinned") if to == "cpu" else buffer.tier == "disk"
+
+
+def _copy_all(pairs, stream) -> None:
+    for old, new in pairs:
+        new.copy_from(old, stream=stream)
+
+
+def _report_held(olds, opt) -> None:
+    """Old buffers that someone outside still holds a view of."""
+    held = [(kind, buffer) for kind, buffer in olds if buffer.exports > 0]
+    if not held:
+        return
+    total = sum(buffer.nbytes for _, buffer in held)
+    kinds = sorted({kind for kind, _ in held})
+    warnings.warn(f"rlhfz: {total} bytes ({', '.join(kinds)}) could not be freed: a tensor "
+                  f"outside the optimizer still views the old memory (e.g. a saved "
+                  f"p.detach() or a slice of p.data); it is freed when that tensor goes",
+                  RuntimeWarning, stacklevel=3)
+    if opt is not None:
+        for kind, buffer in held:
+            opt._held_elsewhere.append((kind, weakref.ref(buffer)))
+
+
+def move_buckets(opt, kinds, allocate, to_home: bool = False, to: str = "cpu") -> None:
+    """Moves the kinds' buffers of every bucket: allocate all, copy all, then
+    swap and re-point. On any failure before the swap, nothing has moved."""
+    moves = []
+    for bucket in opt._buckets:
+        for kind in kinds:
+            for attr in Bucket.BUFFERS[kind]:
+                buffer = getattr(bucket, attr)
+                if buffer is None:
+                    continue
+                if to_home:
+                    if buffer.tier == opt.backend.tier:
+                        continue
+                elif _already_there(buffer, to):
+                    continue
+                moves.append((bucket, attr, kind, buffer))
+    if not moves:
+        return
+    fresh = [allocate(old.nbytes) for _, _, _, old in moves]      # may raise: nothing moved
+    stream = opt.backend.stream() if opt.backend.tier == "device" else None
+    _copy_all([(old, new) for (_, _, _, old), new in zip(moves, fresh)], stream)
+    touched = []
+    for (bucket, attr, _, _), new in zip(moves, fresh):
+        setattr(bucket, attr, new)
+        if new.tier == "disk":
+            new.release_pages()     # the file holds it now, not this process's RAM
+        if bucket not in touched:
+            touched.append(bucket)
+    for bucket in touched:
+        bucket.rebind()
+    olds = [(kind, old) for _, _, kind, old in moves]
+    del moves, fresh
+    _report_held(olds, opt)
+
+
+def offload_optimizer(opt, what=KINDS, to="cpu", path=None, non_blocking=False) -> None:
+    kinds = check_what(what)
+    check_target(to, path)
+    if opt.reducer is not None:
+        opt.reducer.flush()       # no collective may still read or write grads
+    move_buckets(opt, kinds, _allocator(to, path, opt.pin_memory), to=to)
+    if "grads" in kinds and opt.reducer is not None:
+        opt.reducer.release()
+    opt._offloaded.update(kinds)
+    if opt.backend.tier == "device":
+        torch.cuda.synchronize(opt.backend.device)
+
+
+def reload_optimizer(opt, non_blocking=False) -> None:
+    move_buckets(opt, KINDS, lambda nbytes: opt.backend.buffer(nbytes, zero=False), to_home=True)
+    if opt.reducer is not None:
+        opt.reducer.reserve()
+    opt._offloaded.clear()
+
+
+# ---- a model's own tensors ------------------------------------------------------------
+
+_HOME = "_rlhfz_offload_home"
+
+
+def _module_tensors(model, optimizer):
+    owned = set()
+    if optimizer is not None:
+        owned = {id(p) for bucket in optimizer._buckets for p in bucket.params}
+    seen = set()
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if id(tensor) in owned or id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        yield tensor
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    """A Buffer size for t's bytes, in whole 2-byte words (at least one)."""
+    return max(2, (t.numel() * t.element_size() + 1) // 2 * 2)
+
+
+def _view_of(buffer, like: torch.Tensor) -> torch.Tensor:
+    """A tensor shaped and typed like `like` over the buffer's first bytes
+    (any dtype: it is built from the raw bytes)."""
+    raw = torch.from_dlpack(buffer.view("float16")).view(torch.uint8)
+    return raw[:like.numel() * like.element_size()].view(like.dtype).view(like.shape)
+
+
+def offload_module(model, optimizer=None, to="cpu", path=None, pin_memory="auto") -> None:
+    """Moves the model's params and buffers that the optimizer does not own."""
+    check_target(to, path)
+    home = getattr(model, _HOME, None)
+    if home is None:
+        home = {}
+        setattr(model, _HOME, home)
+    tensors = [t for t in _module_tensors(model, optimizer) if id(t) not in home
+               and (t.device.type == "cuda" or to == "disk") and t.is_contiguous()]
+    allocate = _allocator(to, path, pin_memory)
+    fresh = [allocate(_nbytes(t)) for t in tensors]
+    views = [_view_of(buffer, t) for buffer, t in zip(fresh, tensors)]
+    with torch.no_grad():
+        for t, view, buffer in zip(tensors, views, fresh):
+            view.copy_(t)
+        for t, view, buffer in zip(tensors, views, fresh):
+            home[id(t)] = (weakref.ref(t), t.device)
+            t.data = view
+            if buffer.tier == "disk":
+                buffer.release_pages()
+    if any(device.type == "cuda" for _, device in home.values()):
+        torch.cuda.empty_cache()     # the originals came from torch's caching allocator
+
+
+def reload_module(model) -> None:
+    home = getattr(model, _HOME, None)
+    if not home:
+        return
+    pending = [(ref(), device) for ref, device in home.values() if ref() is not None]
+    # Device copies first: if one fails for memory, none is re-pointed.
+    copies = [t.detach().to(device) if device.type == "cuda" else
+              _view_of(_C.Buffer(_nbytes(t)), t)
+              for t, device in pending]
+    with torch.no_grad():
+        for (t, device), new in zip(pending, copies):
+            if device.type != "cuda":
+                new.copy_(t)
+            t.data = new
+    home.clear()
+
+
+def offload(model, optimizer=None, what=KINDS, to="cpu", path=None, non_blocking=False) -> None:
+    """Offloads an optimizer's memory (what: params, grads, optimizer) and
+    the model's own params and buffers that the optimizer does not hold."""
+    kinds = check_what(what)
+    check_target(to, path)
+    if optimizer is not None:
+        optimizer.offload(what=kinds, to=to, path=path, non_blocking=non_blocking)
+    if "params" in kinds:
+        offload_module(model, optimizer, to=to, path=path,
+                       pin_memory=getattr(optimizer, "pin_memory", "auto"))
+
+
+def reload(model, optimizer=None, non_blocking=False) -> None:
+    if optimizer is not None:
+        optimizer.reload(non_blocking=non_blocking)
+    reload_module(model)
+
+
+@contextlib.contextmanager
+def offloaded(model, optimizer=None, what=KINDS, to="cpu", path=None):
+    """Offloaded inside the block (e.g. while an inference engine runs),
+    reloaded on the way out, also when the block raises."""
+    offload(model, optimizer, what=what, to=to, path=path)
+    try:
+        yield model
+    finally:
+        reload(model, optimizer)

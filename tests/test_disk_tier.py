@@ -1,0 +1,88 @@
+"""The disk tier of Buffer and copies between tiers.
+
+A disk Buffer is a file of its own in the directory it was given, mapped
+into memory: views of it are plain host memory, its pages can be dropped
+from this process and fault back in, and freeing it deletes the file.
+"""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from rlhfz import _C
+from state_snapshots import resident_kib
+
+
+def test_a_disk_buffer_is_a_file_that_goes_with_it(tmp_path):
+    buffer = _C.Buffer(1000, "disk", path=tmp_path)
+    assert buffer.tier == "disk" and buffer.nbytes == 1000
+    assert os.path.dirname(buffer.path) == str(tmp_path)
+    assert os.listdir(tmp_path) == [os.path.basename(buffer.path)]
+    assert os.path.getsize(buffer.path) >= 1000
+    view = torch.from_dlpack(buffer.view("float32"))
+    assert bool((view == 0).all())                   # a new file reads as zeros
+    view.copy_(torch.arange(250.0))
+    del view
+    assert buffer.exports == 0
+    del buffer
+    assert os.listdir(tmp_path) == []
+
+
+def test_released_pages_leave_the_process_and_come_back(tmp_path):
+    nbytes = 256 << 20
+    buffer = _C.Buffer(nbytes, "disk", path=tmp_path)
+    data = torch.from_dlpack(buffer.view("float32"))
+    data.copy_(torch.arange(data.numel(), dtype=torch.float32))
+    expected = float(data[-1])
+    touched = resident_kib()
+    buffer.release_pages()
+    dropped = resident_kib()
+    assert touched - dropped > 0.9 * nbytes / 1024, (touched, dropped)
+    assert float(data[-1]) == expected and float(data[12345]) == 12345.0
+    with pytest.raises(ValueError, match="for disk buffers, not host ones"):
+        _C.Buffer(64).release_pages()
+
+
+def test_disk_buffer_failures_are_oserrors_naming_the_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="could not open a .*disk buffer at .*missing"):
+        _C.Buffer(64, "disk", path=tmp_path / "missing")
+    regular = tmp_path / "a-file"
+    regular.write_bytes(b"x")
+    with pytest.raises(NotADirectoryError):
+        _C.Buffer(64, "disk", path=regular)
+    with pytest.raises(OSError):
+        _C.Buffer(64, "disk", path="/proc/self")      # no new files there, even for root
+    assert sorted(os.listdir(tmp_path)) == ["a-file"]
+
+
+@pytest.mark.parametrize("src_tier, dst_tier", [
+    ("host", "disk"), ("disk", "host"), ("disk", "disk"), ("host", "host"), ("pinned", "disk"),
+])
+def test_copy_from_between_tiers(tmp_path, src_tier, dst_tier):
+    def make(tier):
+        return (_C.Buffer(4096 + 6, tier, path=tmp_path) if tier == "disk"
+                else _C.Buffer(4096 + 6, tier))
+    src, dst = make(src_tier), make(dst_tier)
+    values = np.random.default_rng(0).standard_normal(2051).astype(np.float16)
+    np.from_dlpack(src.view("float16"))[:] = values
+    dst.copy_from(src)
+    assert np.array_equal(np.from_dlpack(dst.view("float16")), values)
+
+
+def test_copy_from_checks_its_arguments(tmp_path):
+    with pytest.raises(ValueError, match="src has 8 bytes but this buffer has 16"):
+        _C.Buffer(16).copy_from(_C.Buffer(8))
+    with pytest.raises(TypeError, match="src must be a Buffer"):
+        _C.Buffer(16).copy_from(np.zeros(4, dtype=np.float32))
+    buffer = _C.Buffer(16)
+    buffer.copy_from(buffer)           # itself: nothing to do
+
+
+def test_a_copied_export_of_disk_memory_is_host_memory(tmp_path):
+    buffer = _C.Buffer(64, "disk", path=tmp_path)
+    np.from_dlpack(buffer.view("float32"))[:] = 7.0
+    copied = np.from_dlpack(buffer.view("float32"), copy=True)
+    del buffer
+    assert os.listdir(tmp_path) == []
+    assert bool((copied == 7.0).all())

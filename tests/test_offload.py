@@ -1,0 +1,265 @@
+"""Offload and reload between host memory and disk, in one process.
+
+Every combination of params, grads and optimizer state round-trips exactly;
+training with an offload/reload cycle between steps is bitwise the training
+without; Parameter, grad and state tensors keep their identity; RSS drops
+while the state is on disk and the files go on reload; a view held outside
+is reported; and failures (no room, an unwritable directory, a failed
+allocation) leave everything where it was.
+"""
+import itertools
+import os
+import warnings
+
+import pytest
+import torch
+
+import rlhfz
+from rlhfz import migrate
+from state_snapshots import assert_same, resident_kib, snapshot
+
+WHATS = [combo for r in (1, 2, 3) for combo in itertools.combinations(
+    ("params", "grads", "optimizer"), r)]
+
+
+class Net(torch.nn.Module):
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.GELU(),
+                                        torch.nn.Linear(40, 7)).to(dtype)
+        self.norm = torch.nn.BatchNorm1d(7).to(dtype)      # buffers the optimizer does not own
+        self.frozen = torch.nn.Parameter(torch.randn(5, dtype=dtype), requires_grad=False)
+
+    def forward(self, x):
+        return self.norm(self.body(x)) * self.frozen.sum()
+
+
+def make(dtype=torch.float32, seed=0, **options):
+    torch.manual_seed(seed)
+    model = Net(dtype)
+    opt = rlhfz.ZeroAdamW(model.parameters(), lr=1e-2, weight_decay=0.01, **options)
+    return model, opt
+
+
+def train_step(model, opt, step):
+    gen = torch.Generator().manual_seed(step)
+    x = torch.randn(16, 24, generator=gen).to(next(model.parameters()).dtype)
+    opt.zero_grad()
+    model(x).float().square().mean().backward()
+    opt.step()
+
+
+def identities(model, opt):
+    ids = [id(p) for p in model.parameters()] + [id(b) for b in model.buffers()]
+    ids += [id(p.grad) for p in model.parameters() if p.grad is not None]
+    ids += [id(v) for state in opt.state.values() for v in state.values()]
+    ids += [id(g) for g in opt.param_groups] + [id(opt.state)]
+    return ids
+
+
+@pytest.mark.parametrize("what", WHATS, ids=["+".join(w) for w in WHATS])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_every_combination_round_trips_exactly(tmp_path, what, dtype):
+    model, opt = make(dtype)
+    train_step(model, opt, 0)
+    before, ids = snapshot(model, opt), identities(model, opt)
+    opt.offload(what=what, to="disk", path=tmp_path)
+    placement = opt.placement()
+    for kind in what:
+        names = {"optimizer": ("exp_avg", "exp_avg_sq") + (("master",) if dtype != torch.float32
+                                                           else ())}.get(kind, (kind,))
+        assert all(placement[name] == "disk" for name in names), placement
+    assert os.listdir(tmp_path)
+    assert_same(before, snapshot(model, opt))          # readable where it is
+    opt.reload()
+    assert opt.placement() == {k: "host" for k in placement}
+    assert os.listdir(tmp_path) == []
+    assert_same(before, snapshot(model, opt))
+    assert identities(model, opt) == ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_training_through_offload_cycles_is_bitwise_the_same(tmp_path, dtype):
+    plain, plain_opt = make(dtype)
+    cycled, cycled_opt = make(dtype)
+    for step in range(12):
+        train_step(plain, plain_opt, step)
+        train_step(cycled, cycled_opt, step)
+        target = dict(to="disk", path=tmp_path) if step % 2 else dict(to="cpu")
+        rlhfz.offload(cycled, cycled_opt, **target)
+        rlhfz.reload(cycled, cycled_opt)
+    assert_same(snapshot(plain, plain_opt), snapshot(cycled, cycled_opt))
+    assert plain_opt.state_dict()["state"].keys() == cycled_opt.state_dict()["state"].keys()
+
+
+def test_offloaded_state_cannot_step_and_reload_is_idempotent(tmp_path):
+    model, opt = make()
+    train_step(model, opt, 0)
+    opt.offload(what="optimizer", to="disk", path=tmp_path)
+    files = sorted(os.listdir(tmp_path))
+    opt.offload(what="optimizer", to="disk", path=tmp_path)      # already there
+    assert sorted(os.listdir(tmp_path)) == files
+    with pytest.raises(RuntimeError, match="optimizer are offloaded: call reload"):
+        train_step(model, opt, 1)
+    with pytest.raises(RuntimeError, match="reload"):
+        opt.clip_grad_norm_(1.0)
+    opt.reload()
+    opt.reload()
+    train_step(model, opt, 1)
+
+
+def test_rss_drops_on_disk_and_the_files_go_on_reload(tmp_path):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(8 << 20)) for _ in range(2)]   # 64 MiB of params
+    opt = rlhfz.ZeroAdamW(params, lr=1e-3)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    owned = sum(sum(per_tier.values()) for per_tier in opt.memory_report().values())
+    before = resident_kib()
+    opt.offload(to="disk", path=tmp_path)
+    after = resident_kib()
+    assert before - after > 0.8 * owned / 1024, (before, after, owned)
+    assert len(os.listdir(tmp_path)) == 4      # one bucket: params, grads, exp_avg, exp_avg_sq
+    opt.reload()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_view_held_outside_is_reported(tmp_path):
+    model, opt = make()
+    train_step(model, opt, 0)
+    held = model.body[0].weight.detach()[:2]            # shares the bucket's memory
+    with pytest.warns(RuntimeWarning, match=r"\d+ bytes \(params\) could not be freed"):
+        opt.offload(what="params", to="disk", path=tmp_path)
+    report = opt.memory_report()
+    assert report["params"]["held_elsewhere"] == report["params"]["disk"]
+    del held
+    assert "held_elsewhere" not in opt.memory_report()["params"]
+    opt.reload()
+
+
+def test_an_unwritable_directory_loses_nothing(tmp_path):
+    model, opt = make()
+    train_step(model, opt, 0)
+    before, ids = snapshot(model, opt), identities(model, opt)
+    with pytest.raises(OSError, match="disk buffer at /proc/self"):
+        rlhfz.offload(model, opt, to="disk", path="/proc/self")
+    assert opt.placement()["exp_avg"] == "host"
+    assert_same(before, snapshot(model, opt))
+    assert identities(model, opt) == ids
+    train_step(model, opt, 1)
+
+
+def test_a_failed_allocation_midway_loses_nothing(tmp_path, monkeypatch):
+    model, opt = make(torch.bfloat16)
+    train_step(model, opt, 0)
+    before = snapshot(model, opt)
+    real = migrate._allocator
+
+    def failing(to, path, pin_memory):
+        allocate, calls = real(to, path, pin_memory), []
+
+        def third_fails(nbytes):
+            calls.append(nbytes)
+            if len(calls) == 3:
+                raise MemoryError("simulated: out of memory")
+            return allocate(nbytes)
+        return third_fails
+    monkeypatch.setattr(migrate, "_allocator", failing)
+    with pytest.raises(MemoryError, match="simulated"):
+        opt.offload(to="disk", path=tmp_path)
+    assert os.listdir(tmp_path) == []                 # the two made were freed
+    assert set(opt.placement().values()) == {"host"}
+    assert_same(before, snapshot(model, opt))
+    monkeypatch.undo()
+    # A reload that fails leaves the state on disk, intact.
+    opt.offload(to="disk", path=tmp_path)
+    real_buffer, calls = opt.backend.buffer, []
+
+    def failing_buffer(nbytes, **kwargs):
+        calls.append(nbytes)
+        if len(calls) == 2:
+            raise MemoryError("simulated: no room to reload")
+        return real_buffer(nbytes, **kwargs)
+    monkeypatch.setattr(opt.backend, "buffer", failing_buffer)
+    with pytest.raises(MemoryError, match="no room to reload"):
+        opt.reload()
+    assert opt.placement()["exp_avg"] == "disk"
+    assert_same(before, snapshot(model, opt))
+    monkeypatch.undo()
+    opt.reload()
+    assert_same(before, snapshot(model, opt))
+    train_step(model, opt, 1)
+
+
+def test_module_tensors_the_optimizer_does_not_own_move_too(tmp_path):
+    model, opt = make()
+    train_step(model, opt, 0)
+    before, ids = snapshot(model, opt), identities(model, opt)
+    with rlhfz.offloaded(model, opt, to="disk", path=tmp_path):
+        assert model.norm.running_mean.data_ptr() != before["norm.running_mean"].data_ptr()
+        files = os.listdir(tmp_path)
+        # the bucket's four buffers, and the norm's running_mean, running_var and
+        # num_batches_tracked (int64), which the optimizer does not own
+        assert len(files) == 4 + 3
+        assert_same(before, snapshot(model, opt))
+    assert os.listdir(tmp_path) == []
+    assert_same(before, snapshot(model, opt))
+    assert identities(model, opt) == ids
+    train_step(model, opt, 1)
+
+
+def test_the_context_manager_reloads_when_the_block_raises(tmp_path):
+    model, opt = make()
+    train_step(model, opt, 0)
+    with pytest.raises(KeyError):
+        with rlhfz.offloaded(model, opt, to="disk", path=tmp_path):
+            raise KeyError("inference failed")
+    assert os.listdir(tmp_path) == []
+    assert set(opt.placement().values()) == {"host"}
+    train_step(model, opt, 1)
+
+
+def test_a_model_without_an_optimizer(tmp_path):
+    torch.manual_seed(0)
+    reference = Net()
+    before = {k: v.clone() for k, v in reference.state_dict().items()}
+    rlhfz.offload(reference, to="disk", path=tmp_path)
+    assert len(os.listdir(tmp_path)) == len(before)
+    rlhfz.offload(reference, to="disk", path=tmp_path)       # already offloaded
+    assert len(os.listdir(tmp_path)) == len(before)
+    rlhfz.reload(reference)
+    after = reference.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(what="weights"), ValueError, "what must name some of"),
+    (dict(what=()), ValueError, "what must name some of"),
+    (dict(to="gpu"), ValueError, "to must be 'cpu' or 'disk'"),
+    (dict(to="disk"), ValueError, "needs path="),
+    (dict(to="disk", path="/nonexistent/dir"), FileNotFoundError, "is not a directory"),
+    (dict(to="cpu", path="/tmp"), ValueError, "path= is for to='disk'"),
+])
+def test_bad_arguments_change_nothing(kwargs, error, message):
+    model, opt = make()
+    train_step(model, opt, 0)
+    before = snapshot(model, opt)
+    with pytest.raises(error, match=message):
+        opt.offload(**kwargs)
+    with pytest.raises(error, match=message):
+        rlhfz.offload(model, opt, **kwargs)
+    assert_same(before, snapshot(model, opt))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train_step(model, opt, 1)
+
+
+def test_the_top_level_names_stay_functions(tmp_path):
+    model, opt = make()
+    opt.offload(to="disk", path=tmp_path)      # imports the module behind them
+    opt.reload()
+    assert callable(rlhfz.offload) and callable(rlhfz.reload) and callable(rlhfz.offloaded)
+    rlhfz.offload(model, opt, to="disk", path=tmp_path)
+    rlhfz.reload(model, opt)
