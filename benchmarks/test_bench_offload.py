@@ -176,3 +176,34 @@ def test_rlhfz_reload_from_pinned(benchmark):
     _, opt = _optimizer("cuda")
     benchmark.pedantic(opt.reload, setup=opt.offload, rounds=ROUNDS, warmup_rounds=1)
     _record(benchmark, _state_bytes(opt), "to device")
+
+
+# ---- a training step with host-resident optimizer state ---------------------------------------
+
+STEP_NUMEL = 32 << 20
+_device = "cuda" if torch.cuda.is_available() and rlhfz.build_info()["cuda"] else "cpu"
+
+
+@pytest.mark.parametrize("ratio", [None, 0.0, 0.5, 1.0], ids=["plain", "ratio0", "ratio0.5",
+                                                               "ratio1"])
+def test_step_with_host_resident_state(benchmark, ratio):
+    """offload="cpu": the last `ratio` of each shard steps on the CPU, the rest
+    on the params' device (here: the CPU when no GPU, where it only adds the
+    split's copies). 32M fp32 params in 8 tensors."""
+    benchmark.group = f"step with offload='cpu' ({_device}, {STEP_NUMEL >> 20}M params)"
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(STEP_NUMEL // 8, device=_device))
+              for _ in range(8)]
+    options = {} if ratio is None else dict(offload="cpu", offload_ratio=ratio)
+    opt = rlhfz.ZeroAdamW(params, lr=1e-3, nonfinite=None, **options)
+    for p in params:
+        p.grad = torch.randn_like(p)
+
+    def step():
+        opt.step()
+        if _device == "cuda":
+            torch.cuda.synchronize()
+    benchmark.pedantic(step, rounds=ROUNDS * 2, warmup_rounds=1)
+    benchmark.extra_info["device"] = _device
+    benchmark.extra_info["params"] = STEP_NUMEL
+    benchmark.extra_info["offload_ratio"] = ratio

@@ -583,12 +583,12 @@ static int parse_int_pair(PyObject *obj, const char *what, long *first, long *se
 }
 
 static void fill_tensor(DLTensor *tensor, rlhfz_BufferView *view, rlhfz_Buffer *buffer,
-                        int64_t *shape, int64_t *strides)
+                        DLDevice device, int64_t *shape, int64_t *strides)
 {
     size_t itemsize = rlhfz_dtype_size(view->dtype);
     tensor->data = buffer->data;
     tensor->byte_offset = (uint64_t)(view->offset * itemsize);
-    tensor->device = rlhfz_tier_dl_device(buffer->tier, buffer->device);
+    tensor->device = device;
     tensor->ndim = view->ndim;
     tensor->dtype = rlhfz_dtype_to_dl(view->dtype);
     int64_t stride = 1;
@@ -642,7 +642,13 @@ static PyObject *BufferView_dlpack(rlhfz_BufferView *self, PyObject *const *args
         long device_type, device_id;
         if (parse_int_pair(dl_device, "dl_device", &device_type, &device_id) < 0)
             return NULL;
-        if (device_type != here.device_type || device_id != here.device_id) {
+        /* Pinned memory is host memory too: a CPU consumer (torch takes no
+         * kDLCUDAHost) may have it as kDLCPU, without a copy. */
+        int pinned_as_cpu = here.device_type == kDLCUDAHost && device_type == kDLCPU &&
+                            device_id == 0;
+        if (pinned_as_cpu)
+            here.device_type = kDLCPU;
+        else if (device_type != here.device_type || device_id != here.device_id) {
             PyErr_Format(PyExc_BufferError,
                          "cannot export memory of DLPack device (%d, %d) to device type %ld "
                          "(id %ld) without a copy across devices", (int)here.device_type,
@@ -703,7 +709,7 @@ static PyObject *BufferView_dlpack(rlhfz_BufferView *self, PyObject *const *args
         out->managed.manager_ctx = buffer;
         out->managed.deleter = versioned_deleter;
         out->managed.flags = want_copy ? RLHFZ_DLPACK_FLAG_IS_COPIED : 0;
-        fill_tensor(&out->managed.dl_tensor, view, buffer, out->shape, out->strides);
+        fill_tensor(&out->managed.dl_tensor, view, buffer, here, out->shape, out->strides);
         buffer->exports++;
         capsule = PyCapsule_New(&out->managed, "dltensor_versioned", versioned_capsule_destructor);
         if (capsule == NULL) {
@@ -719,7 +725,7 @@ static PyObject *BufferView_dlpack(rlhfz_BufferView *self, PyObject *const *args
         }
         out->managed.manager_ctx = buffer;
         out->managed.deleter = legacy_deleter;
-        fill_tensor(&out->managed.dl_tensor, view, buffer, out->shape, out->strides);
+        fill_tensor(&out->managed.dl_tensor, view, buffer, here, out->shape, out->strides);
         buffer->exports++;
         capsule = PyCapsule_New(&out->managed, "dltensor", legacy_capsule_destructor);
         if (capsule == NULL) {

@@ -15,6 +15,15 @@ import torch
 from . import _C
 
 
+def torch_view(view) -> torch.Tensor:
+    """A torch tensor over an rlhfz BufferView, without a copy. Pinned
+    memory goes over as CPU memory, since torch takes no kDLCUDAHost
+    tensors; it stays pinned, so torch's copies from it are asynchronous."""
+    if view.buffer.tier == "pinned":
+        return torch.from_dlpack(view.__dlpack__(dl_device=(1, 0)))
+    return torch.from_dlpack(view)
+
+
 class HostBackend:
     tier = "host"
     device = torch.device("cpu")

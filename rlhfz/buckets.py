@@ -12,7 +12,7 @@ import weakref
 
 import torch
 
-from .backends import HostBackend
+from .backends import HostBackend, torch_view
 from .layout import BucketLayout, plan_bucket
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -39,7 +39,8 @@ class Bucket:
 
     def __init__(self, params: list[torch.Tensor], group_index: int, dtype: torch.dtype,
                  rank: int = 0, world_size: int = 1, full_grads: bool = True,
-                 reduce_dtype: torch.dtype | None = None, backend=None):
+                 reduce_dtype: torch.dtype | None = None, backend=None,
+                 host_ratio: float = 0.0, host_alloc=None):
         self.params = params
         self.group_index = group_index
         self.dtype = dtype
@@ -72,9 +73,22 @@ class Bucket:
         self.reduce_staging_buffer = (alloc(n * reduce_itemsize)
                                       if world_size > 1 and full_grads
                                       and self.reduce_dtype != dtype else None)
-        self.master_buffer = None if dtype == torch.float32 else alloc(shard * 4)
-        self.exp_avg_buffer = alloc(shard * 4)
-        self.exp_avg_sq_buffer = alloc(shard * 4)
+        # offload="cpu": the last host_ratio of the shard's elements keep their
+        # state on the host and step there (the CPU kernel), the rest on the
+        # backend. The host part has its own fp32 master (also for fp32
+        # params, whose own memory is on the device), a copy of its grads and
+        # a staging copy of its new param values.
+        self.split = shard - int(round(host_ratio * shard))
+        host = shard - self.split
+        self.master_buffer = None if dtype == torch.float32 else alloc(self.split * 4)
+        self.exp_avg_buffer = alloc(self.split * 4)
+        self.exp_avg_sq_buffer = alloc(self.split * 4)
+        host_alloc = host_alloc or (lambda nbytes: HostBackend().buffer(nbytes))
+        self.host_master_buffer = host_alloc(host * 4) if host else None
+        self.host_exp_avg_buffer = host_alloc(host * 4) if host else None
+        self.host_exp_avg_sq_buffer = host_alloc(host * 4) if host else None
+        self.host_grad_buffer = host_alloc(host * reduce_itemsize) if host else None
+        self.host_param_buffer = host_alloc(host * itemsize) if host else None
         # Each param's part of this rank's shard, in shard coordinates (empty
         # ranges for params wholly on other ranks).
         self.local = [self._local_range(slot) for slot in self.layout.slots]
@@ -102,11 +116,18 @@ class Bucket:
 
     # Buffers by the kind offload() names them, and the torch tensors that
     # are views of them (rebind() re-points these in place).
-    BUFFERS = {"params": ("param_buffer",),
-               "grads": ("grad_buffer", "grad_shard_buffer", "reduce_staging_buffer"),
-               "optimizer": ("master_buffer", "exp_avg_buffer", "exp_avg_sq_buffer")}
+    BUFFERS = {"params": ("param_buffer", "host_param_buffer"),
+               "grads": ("grad_buffer", "grad_shard_buffer", "reduce_staging_buffer",
+                         "host_grad_buffer"),
+               "optimizer": ("master_buffer", "exp_avg_buffer", "exp_avg_sq_buffer",
+                             "host_master_buffer", "host_exp_avg_buffer",
+                             "host_exp_avg_sq_buffer")}
+    _HOST_PART = ("host_param_buffer", "host_grad_buffer", "host_master_buffer",
+                  "host_exp_avg_buffer", "host_exp_avg_sq_buffer")
     _TENSORS = ("flat_param", "flat_grad", "flat_grad_shard", "flat_reduce_staging",
-                "flat_param_shard", "flat_master", "flat_exp_avg", "flat_exp_avg_sq")
+                "flat_param_shard", "flat_master", "flat_exp_avg", "flat_exp_avg_sq",
+                "host_flat_master", "host_flat_exp_avg", "host_flat_exp_avg_sq",
+                "host_flat_grad", "host_flat_param")
     _TENSOR_LISTS = ("param_views", "grad_views", "master_views", "exp_avg_views",
                      "exp_avg_sq_views")
 
@@ -123,7 +144,7 @@ class Bucket:
         self.param_kview = self.param_buffer.view(self.dtype_name)
         self.grad_kview = self.grad_buffer.view(self.dtype_name) if self.full_grads else None
         self.grad_shard_kview = self.grad_shard_kview_range(0, shard)
-        self.master_kview = self._master_view(0, shard)
+        self.master_kview = self._master_view(0, self.split)
         self.param_shard_kview = self.param_buffer.view(self.dtype_name, self.shard_start,
                                                         (shard,))
         self.exp_avg_kview = self.exp_avg_buffer.view("float32")
@@ -132,23 +153,34 @@ class Bucket:
         # Torch-facing flat tensors, and per-param views of them. Slices of one
         # flat tensor share its version counter, which tells whether any grad
         # in the bucket was modified in place since a check.
-        self.flat_param = torch.from_dlpack(self.param_kview)
-        self.flat_grad = torch.from_dlpack(self.grad_kview) if self.full_grads else None
-        self.flat_grad_shard = torch.from_dlpack(self.grad_shard_kview)
+        self.flat_param = torch_view(self.param_kview)
+        self.flat_grad = torch_view(self.grad_kview) if self.full_grads else None
+        self.flat_grad_shard = torch_view(self.grad_shard_kview)
         self.flat_reduce_staging = (
-            torch.from_dlpack(self.reduce_staging_buffer.view(DTYPE_NAMES[self.reduce_dtype]))
+            torch_view(self.reduce_staging_buffer.view(DTYPE_NAMES[self.reduce_dtype]))
             if self.reduce_staging_buffer is not None else None)
-        self.flat_param_shard = torch.from_dlpack(self.param_shard_kview)
-        self.flat_master = torch.from_dlpack(self.master_kview)
-        self.flat_exp_avg = torch.from_dlpack(self.exp_avg_kview)
-        self.flat_exp_avg_sq = torch.from_dlpack(self.exp_avg_sq_kview)
+        self.flat_param_shard = torch_view(self.param_shard_kview)
+        self.flat_master = torch_view(self.master_kview)
+        self.flat_exp_avg = torch_view(self.exp_avg_kview)
+        self.flat_exp_avg_sq = torch_view(self.exp_avg_sq_kview)
+        for attr in self._HOST_PART:
+            buffer = getattr(self, attr)
+            name = "host_flat_" + attr[len("host_"):-len("_buffer")]
+            dtype = {"host_param_buffer": self.dtype_name,
+                     "host_grad_buffer": DTYPE_NAMES[self.reduce_dtype]}.get(attr, "float32")
+            setattr(self, name, torch_view(buffer.view(dtype)) if buffer else None)
         self.param_views = self._views(self.flat_param)
         self.grad_views = self._views(self.flat_grad) if self.full_grads else None
         # With one rank, the state views have the params' shapes, as
-        # torch.optim.AdamW's do.
-        self.master_views = self._state_views(self.flat_master) if self.master_buffer else None
-        self.exp_avg_views = self._state_views(self.flat_exp_avg)
-        self.exp_avg_sq_views = self._state_views(self.flat_exp_avg_sq)
+        # torch.optim.AdamW's do. A param whose shard range crosses into the
+        # host part gets a stitched copy instead (refresh_stitched).
+        self.stitched = []
+        self.master_views = (self._state_views(self.flat_master, self.host_flat_master)
+                             if self.master_buffer else None)
+        self.exp_avg_views = self._state_views(self.flat_exp_avg, self.host_flat_exp_avg)
+        self.exp_avg_sq_views = self._state_views(self.flat_exp_avg_sq,
+                                                  self.host_flat_exp_avg_sq)
+        self.refresh_stitched()
 
     def rebind(self) -> None:
         """After buffers were replaced: every tensor handed out before (param
@@ -192,10 +224,83 @@ class Bucket:
         offset = self.layout.slots[index].offset - self.shard_start
         return full.reshape(-1)[a - offset:b - offset]
 
-    def _state_views(self, flat_shard: torch.Tensor) -> list[torch.Tensor]:
-        if self.world_size == 1:
-            return self._views(flat_shard)
-        return [flat_shard[a:b] for a, b in self.local]
+    def _state_views(self, device_part: torch.Tensor, host_part) -> list[torch.Tensor]:
+        views = []
+        for i, (a, b) in enumerate(self.local):
+            if b <= self.split:
+                view = device_part[a:b]
+            elif a >= self.split:
+                view = host_part[a - self.split:b - self.split]
+            else:
+                view = torch.empty(b - a, dtype=torch.float32)
+                if i not in self.stitched:
+                    self.stitched.append(i)
+            views.append(view.view(self.layout.slots[i].shape) if self.world_size == 1 else view)
+        return views
+
+    # ---- state across the device and host parts --------------------------------------
+
+    def _state_parts(self, name: str):
+        return {"master": (self.flat_master, self.host_flat_master, self.master_views),
+                "exp_avg": (self.flat_exp_avg, self.host_flat_exp_avg, self.exp_avg_views),
+                "exp_avg_sq": (self.flat_exp_avg_sq, self.host_flat_exp_avg_sq,
+                               self.exp_avg_sq_views)}[name]
+
+    def read_state(self, name: str, index: int) -> torch.Tensor:
+        """This rank's part of one param's state, flat, from wherever it lives."""
+        device_part, host_part, _ = self._state_parts(name)
+        a, b = self.local[index]
+        k = self.split
+        pieces = []
+        if a < min(b, k):
+            pieces.append(device_part[a:min(b, k)].cpu())
+        if max(a, k) < b:
+            pieces.append(host_part[max(a, k) - k:b - k])
+        return torch.cat(pieces) if pieces else torch.empty(0)
+
+    def write_state(self, name: str, index: int, values: torch.Tensor) -> None:
+        """Writes this rank's part of one param's state (values: local_part of
+        a param-shaped tensor) to the device part, the host part, or both."""
+        device_part, host_part, views = self._state_parts(name)
+        values = values.reshape(-1)
+        a, b = self.local[index]
+        k = self.split
+        with torch.no_grad():
+            if a < min(b, k):
+                device_part[a:min(b, k)].copy_(values[:min(b, k) - a])
+            if max(a, k) < b:
+                host_part[max(a, k) - k:b - k].copy_(values[max(a, k) - a:])
+            if views is not None and index in self.stitched:
+                views[index].view(-1).copy_(values)
+
+    def refresh_stitched(self) -> None:
+        """Copies the current state of the params that cross the split into
+        their stitched state tensors (after every step, and before saving)."""
+        with torch.no_grad():
+            for index in self.stitched:
+                for name in ("master", "exp_avg", "exp_avg_sq"):
+                    views = self._state_parts(name)[2]
+                    if views is not None:
+                        views[index].view(-1).copy_(self.read_state(name, index))
+
+    def full_shard(self, name: str) -> torch.Tensor:
+        """This rank's whole shard of a state, on the backend's device (a view
+        when it all lives there, else the two parts joined)."""
+        device_part, host_part, _ = self._state_parts(name)
+        if host_part is None:
+            return device_part
+        return torch.cat([device_part, host_part.to(device_part.device)])
+
+    def pull_host_part(self, master: bool = True) -> None:
+        """The host part's staged params (and, with master, its fp32 master)
+        from the param shard: at attach, and after a state dict is loaded."""
+        if self.host_flat_master is None:
+            return
+        with torch.no_grad():
+            current = self.flat_param_shard[self.split:]
+            if master:
+                self.host_flat_master.copy_(current)
+            self.host_flat_param.copy_(current)
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.layout.slots]
@@ -214,7 +319,9 @@ class Bucket:
                     grad_view.copy_(grad)
                     p.grad = grad_view
         if self.master_buffer is not None:
-            self.backend.cast_(self.master_kview, self.param_shard_kview)
+            self.backend.cast_(self.master_kview, self.param_buffer.view(
+                self.dtype_name, self.shard_start, (self.split,)))
+        self.pull_host_part()
         self_ref = weakref.ref(self)
         for i, p in enumerate(self.params):
             if p.requires_grad:
@@ -289,7 +396,7 @@ class Bucket:
 
     def kernel_views(self, lo: int, hi: int):
         """(master, exp_avg, exp_avg_sq, grad, param_out) over shard elements [lo, hi)."""
-        if lo == 0 and hi == self.layout.shard_numel:
+        if lo == 0 and hi == self.layout.shard_numel:      # the whole shard, on the backend
             param_out = self.param_shard_kview if self.master_buffer is not None else None
             return (self.master_kview, self.exp_avg_kview, self.exp_avg_sq_kview,
                     self.grad_shard_kview, param_out)
@@ -302,6 +409,16 @@ class Bucket:
                 self.exp_avg_sq_buffer.view("float32", lo, n),
                 self.grad_shard_kview_range(lo, hi),
                 param_out)
+
+    def host_kernel_views(self, lo: int, hi: int):
+        """(master, exp_avg, exp_avg_sq, grad, param_out) of the host part over
+        shard elements [lo, hi), all at or past the split."""
+        o, n = lo - self.split, (hi - lo,)
+        return (self.host_master_buffer.view("float32", o, n),
+                self.host_exp_avg_buffer.view("float32", o, n),
+                self.host_exp_avg_sq_buffer.view("float32", o, n),
+                self.host_grad_buffer.view(DTYPE_NAMES[self.reduce_dtype], o, n),
+                self.host_param_buffer.view(self.dtype_name, o, n))
 
     def grad_version(self) -> int:
         """Changes whenever the grads this step would use change."""
@@ -317,10 +434,10 @@ class Bucket:
     def nbytes_by_tier(self) -> dict[str, dict[str, int]]:
         """{kind: {tier: bytes}}, kinds as memory_report names them."""
         report: dict[str, dict[str, int]] = {}
-        kinds = {"params": ("param_buffer",),
-                 "grads": ("grad_buffer", "grad_shard_buffer", "reduce_staging_buffer"),
-                 "master": ("master_buffer",), "exp_avg": ("exp_avg_buffer",),
-                 "exp_avg_sq": ("exp_avg_sq_buffer",)}
+        kinds = {"params": self.BUFFERS["params"], "grads": self.BUFFERS["grads"],
+                 "master": ("master_buffer", "host_master_buffer"),
+                 "exp_avg": ("exp_avg_buffer", "host_exp_avg_buffer"),
+                 "exp_avg_sq": ("exp_avg_sq_buffer", "host_exp_avg_sq_buffer")}
         for kind, attrs in kinds.items():
             entry = report.setdefault(kind, {})
             for attr in attrs:

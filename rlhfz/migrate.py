@@ -23,6 +23,7 @@ import weakref
 import torch
 
 from . import _C
+from .backends import torch_view
 from .buckets import Bucket
 
 KINDS = ("params", "grads", "optimizer")
@@ -143,7 +144,9 @@ def _report_held(olds, opt) -> None:
 
 def move_buckets(opt, kinds, allocate, to_home: bool = False, to: str = "cpu") -> None:
     """Moves the kinds' buffers of every bucket: allocate all, copy all, then
-    swap and re-point. On any failure before the swap, nothing has moved."""
+    swap and re-point. On any failure before the swap, nothing has moved.
+    allocate(attr, nbytes) makes a target. to_home: back where each buffer
+    trains (the backend's tier; host memory for offload="cpu"'s host part)."""
     moves = []
     for bucket in opt._buckets:
         for kind in kinds:
@@ -152,14 +155,15 @@ def move_buckets(opt, kinds, allocate, to_home: bool = False, to: str = "cpu") -
                 if buffer is None:
                     continue
                 if to_home:
-                    if buffer.tier == opt.backend.tier:
+                    home = "host" if attr in Bucket._HOST_PART else opt.backend.tier
+                    if buffer.tier == home or (home == "host" and buffer.tier == "pinned"):
                         continue
                 elif _already_there(buffer, to):
                     continue
                 moves.append((bucket, attr, kind, buffer))
     if not moves:
         return
-    fresh = [allocate(old.nbytes) for _, _, _, old in moves]      # may raise: nothing moved
+    fresh = [allocate(attr, old.nbytes) for _, attr, _, old in moves]   # may raise: nothing moved
     stream = opt.backend.stream() if opt.backend.tier == "device" else None
     _copy_all([(old, new) for (_, _, _, old), new in zip(moves, fresh)], stream)
     touched = []
@@ -181,7 +185,8 @@ def offload_optimizer(opt, what=KINDS, to="cpu", path=None, non_blocking=False) 
     check_target(to, path)
     if opt.reducer is not None:
         opt.reducer.flush()       # no collective may still read or write grads
-    move_buckets(opt, kinds, _allocator(to, path, opt.pin_memory), to=to)
+    allocate = _allocator(to, path, opt.pin_memory)
+    move_buckets(opt, kinds, lambda attr, nbytes: allocate(nbytes), to=to)
     if "grads" in kinds and opt.reducer is not None:
         opt.reducer.release()
     opt._offloaded.update(kinds)
@@ -190,7 +195,11 @@ def offload_optimizer(opt, what=KINDS, to="cpu", path=None, non_blocking=False) 
 
 
 def reload_optimizer(opt, non_blocking=False) -> None:
-    move_buckets(opt, KINDS, lambda nbytes: opt.backend.buffer(nbytes, zero=False), to_home=True)
+    def allocate(attr, nbytes):
+        if attr in Bucket._HOST_PART:
+            return host_buffer(nbytes, opt.pin_memory)
+        return opt.backend.buffer(nbytes, zero=False)
+    move_buckets(opt, KINDS, allocate, to_home=True)
     if opt.reducer is not None:
         opt.reducer.reserve()
     opt._offloaded.clear()
@@ -221,7 +230,7 @@ def _nbytes(t: torch.Tensor) -> int:
 def _view_of(buffer, like: torch.Tensor) -> torch.Tensor:
     """A tensor shaped and typed like `like` over the buffer's first bytes
     (any dtype: it is built from the raw bytes)."""
-    raw = torch.from_dlpack(buffer.view("float16")).view(torch.uint8)
+    raw = torch_view(buffer.view("float16")).view(torch.uint8)
     return raw[:like.numel() * like.element_size()].view(like.dtype).view(like.shape)
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from .backends import backend_for
+from .backends import HostBackend, backend_for
 from .buckets import DTYPE_NAMES, Bucket
 from .comm import communicator_for
 from .layout import stage2_bucket_bytes
@@ -197,6 +197,9 @@ class ZeroAdamW(Optimizer):
         self.module = module
         self.offload_target = offload
         self.offload_ratio = float(offload_ratio)
+        # offload="cpu": this fraction of each shard's optimizer state lives
+        # and steps on the host (pinned per pin_memory, like offload()).
+        self.host_ratio = self.offload_ratio if offload == "cpu" else 0.0
         self.pin_memory = pin_memory
         self.nonfinite = nonfinite
         self.wrap = wrap
@@ -206,6 +209,7 @@ class ZeroAdamW(Optimizer):
         self.reducer = (GradReducer(self._buckets, self.comm, self.backend)
                         if stage == 2 and self.world_size > 1 else None)
         self._finite_versions: tuple[int, ...] | None = None
+        self._host = HostBackend()
         self._offloaded: set[str] = set()          # kinds offload() moved away from home
         self._held_elsewhere: list = []            # (kind, weakref to a Buffer) still viewed
 
@@ -213,6 +217,10 @@ class ZeroAdamW(Optimizer):
                         maximize=maximize, foreach=foreach, capturable=False,
                         differentiable=False, fused=fused, decoupled_weight_decay=True)
         super().__init__(params, defaults)
+
+    def _host_alloc(self, nbytes: int):
+        from .migrate import host_buffer
+        return host_buffer(nbytes, self.pin_memory, zero=True)
 
     # ---- param groups ----------------------------------------------------------
 
@@ -245,7 +253,8 @@ class ZeroAdamW(Optimizer):
             for chunk in self._bucket_chunks(members):
                 buckets.append(Bucket(chunk, group_index, dtype, self.rank, self.world_size,
                                       full_grads=self.reducer is None,
-                                      reduce_dtype=self.reduce_dtype, backend=self.backend))
+                                      reduce_dtype=self.reduce_dtype, backend=self.backend,
+                                      host_ratio=self.host_ratio, host_alloc=self._host_alloc))
         group["params"] = params
         super().add_param_group(group)
         param_group.clear()
@@ -466,12 +475,26 @@ class ZeroAdamW(Optimizer):
                 f"{'; '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}. The step was not taken "
                 f"and no state changed; pass nonfinite='skip' to skip such steps instead.")
         gathers = []
+        # Host parts' grads come over first, so the device kernels launched
+        # next run while the CPU kernels step the host parts.
+        for bucket, _, _, segments in plan:
+            if bucket.split < bucket.layout.shard_numel and segments:
+                bucket.host_flat_grad.copy_(bucket.flat_grad_shard[bucket.split:])
         for bucket, present, runs, segments in plan:
             hp = hparams[bucket.group_index]
             steps = bucket.steps.tolist()
+            k = bucket.split
             for start, stop, lo, hi in segments:
                 step = int(steps[start]) + 1
-                self.backend.adamw_step(bucket.kernel_views(lo, hi), step, hp)
+                if lo < min(hi, k):
+                    self.backend.adamw_step(bucket.kernel_views(lo, min(hi, k)), step, hp)
+                if max(lo, k) < hi:
+                    self._host.adamw_step(bucket.host_kernel_views(max(lo, k), hi), step, hp)
+                    a, b = max(lo, k) - k, hi - k
+                    bucket.flat_param_shard[a + k:b + k].copy_(bucket.host_flat_param[a:b],
+                                                                non_blocking=True)
+            if bucket.stitched:
+                bucket.refresh_stitched()
             # Step counts advance for every param with a grad, also those
             # whose elements all live on other ranks.
             for start, stop in runs:
@@ -521,9 +544,10 @@ class ZeroAdamW(Optimizer):
                     enumerate(p for group in self.param_groups for p in group["params"])}
         state = {}
         for bucket in self._buckets:
-            shards = [("exp_avg", bucket.flat_exp_avg), ("exp_avg_sq", bucket.flat_exp_avg_sq)]
+            shards = [("exp_avg", bucket.full_shard("exp_avg")),
+                      ("exp_avg_sq", bucket.full_shard("exp_avg_sq"))]
             if bucket.master_buffer is not None:
-                shards.append(("master_param", bucket.flat_master))
+                shards.append(("master_param", bucket.full_shard("master")))
             full = {}
             for name, shard in shards:
                 full[name] = torch.empty(bucket.layout.padded_numel, dtype=torch.float32,
@@ -557,10 +581,10 @@ class ZeroAdamW(Optimizer):
                 "registered": list(bucket.registered),
                 "shard_start": bucket.shard_start,
                 "steps": bucket.steps.clone(),
-                "exp_avg": bucket.flat_exp_avg.clone(),
-                "exp_avg_sq": bucket.flat_exp_avg_sq.clone(),
-                "master_param": (bucket.flat_master.clone() if bucket.master_buffer is not None
-                                 else None),
+                "exp_avg": bucket.full_shard("exp_avg").clone(),
+                "exp_avg_sq": bucket.full_shard("exp_avg_sq").clone(),
+                "master_param": (bucket.full_shard("master").clone()
+                                 if bucket.master_buffer is not None else None),
             })
         return {"format": SHARDED_FORMAT, "rank": self.rank, "world_size": self.world_size,
                 "param_groups": groups, "buckets": buckets}
@@ -624,21 +648,25 @@ class ZeroAdamW(Optimizer):
             for i, p in enumerate(bucket.params):
                 entry = loaded.get(id(p))
                 if entry is None:
-                    bucket.exp_avg_views[i].zero_()
-                    bucket.exp_avg_sq_views[i].zero_()
+                    zeros = torch.zeros(bucket.local[i][1] - bucket.local[i][0])
+                    bucket.write_state("exp_avg", i, zeros)
+                    bucket.write_state("exp_avg_sq", i, zeros)
                     bucket.steps[i] = 0.0
                     if bucket.master_views is not None:
-                        bucket.master_views[i].copy_(bucket.local_part(i, bucket.param_views[i]))
+                        bucket.write_state("master", i,
+                                           bucket.local_part(i, bucket.param_views[i]).float())
                     self._unregister_state(bucket, i)
                     continue
-                bucket.exp_avg_views[i].copy_(bucket.local_part(i, entry["exp_avg"]))
-                bucket.exp_avg_sq_views[i].copy_(bucket.local_part(i, entry["exp_avg_sq"]))
+                bucket.write_state("exp_avg", i, bucket.local_part(i, entry["exp_avg"]))
+                bucket.write_state("exp_avg_sq", i, bucket.local_part(i, entry["exp_avg_sq"]))
                 bucket.steps[i] = float(entry["step"])
                 if bucket.master_views is not None:
                     master = entry.get("master_param")
-                    bucket.master_views[i].copy_(bucket.local_part(
-                        i, master if master is not None else bucket.param_views[i]))
+                    bucket.write_state("master", i, bucket.local_part(
+                        i, master if master is not None else bucket.param_views[i]).float())
                 self._register_state(bucket, i)
+            # fp32 params are their own master: the host part's copy follows them
+            bucket.pull_host_part(master=bucket.master_views is None)
         self._finite_versions = None
 
     @staticmethod

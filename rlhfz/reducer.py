@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .backends import HostBackend
+from .backends import HostBackend, torch_view
 from .buckets import DTYPE_NAMES, Bucket
 
 
@@ -54,7 +54,7 @@ class GradReducer:
             self.wait_all()
             itemsize = torch.empty((), dtype=dtype).element_size()
             buffers = [self.backend.buffer(size * itemsize) for size in (numel, numel, shard)]
-            tensors = [torch.from_dlpack(b.view(DTYPE_NAMES[dtype])) for b in buffers]
+            tensors = [torch_view(b.view(DTYPE_NAMES[dtype])) for b in buffers]
             self._staging_buffers[dtype] = buffers      # the smaller ones are freed
             self._staging[dtype] = tensors[:2]
             self._scratch[dtype] = tensors[2]

@@ -287,3 +287,29 @@ def branchy_sharded(rank, world_size, steps, stage):
                    y[rank * per_rank:(rank + 1) * per_rank], rank).backward()
         opt.step()
     return [p.detach().clone() for p in model.parameters()], opt.state_dict()
+
+
+def offload_parity(rank, world_size, steps, stage, ratio, directory):
+    """The same training twice on every rank: once with the optimizer state
+    partly on the host (offload="cpu", offload_ratio=ratio) and cycled to
+    disk and back every other step, once plain. Returns both results."""
+    data = batches(steps)
+    out = {}
+    for name, options in (("plain", {}), ("offloaded", dict(offload="cpu", offload_ratio=ratio))):
+        model = make_model()
+        opt = rlhfz.ZeroAdamW(groups(model), lr=1e-3, stage=stage, **options)
+        per_rank = GLOBAL_BATCH // world_size
+        for step, (x, y) in enumerate(data):
+            sl = slice(rank * per_rank, (rank + 1) * per_rank)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x[sl]), y[sl]).backward()
+            opt.clip_grad_norm_(1.0)
+            opt.step()
+            if options and step % 2:
+                path = os.path.join(directory, f"rank{rank}")
+                os.makedirs(path, exist_ok=True)
+                rlhfz.offload(model, opt, to="disk", path=path)
+                rlhfz.reload(model, opt)
+        out[name] = {"params": [p.detach().clone() for p in model.parameters()],
+                     "state_dict": opt.state_dict(), "report": opt.memory_report()}
+    return out

@@ -75,3 +75,19 @@ def test_cpu_kernels_refuse_device_views_but_take_pinned_ones():
 def test_bad_device_ordinal_raises():
     with pytest.raises(MemoryError, match="CUDA device 4096"):
         _C.Buffer(64, "device", device=4096)
+
+
+@pytest.mark.gpu
+def test_pinned_memory_reaches_torch_as_pinned_cpu_memory():
+    """torch takes no kDLCUDAHost tensors: pinned views go over as kDLCPU on
+    request (dl_device), still pinned, so torch's copies from them are async."""
+    from rlhfz.backends import torch_view
+    buffer = _C.Buffer(4096, "pinned")
+    assert buffer.tier == "pinned"
+    view = buffer.view("float32")
+    assert view.__dlpack_device__() == (3, 0)
+    tensor = torch_view(view)
+    assert tensor.device.type == "cpu" and tensor.data_ptr() == view.address
+    assert tensor.is_pinned()
+    with pytest.raises(BufferError, match="without a copy across devices"):
+        view.__dlpack__(dl_device=(2, 0))

@@ -1,5 +1,7 @@
 """Sharding across processes: gloo ranks, world sizes 1 to 4, against one
 process of torch.optim.AdamW on the same global batches."""
+import os
+
 import pytest
 import torch
 
@@ -248,3 +250,17 @@ def test_params_without_grads_on_some_ranks(world_size, stage):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
         assert sorted(sd["state"]) == sorted(ref_sd["state"])
         assert len(sd["state"]) == 6        # trunk, shared, first: weight and bias
+
+
+@pytest.mark.parametrize("world_size, stage, ratio", [(2, 1, 0.5), (2, 2, 0.5), (3, 2, 0.3)])
+def test_host_resident_state_trains_bitwise_like_the_plain_optimizer(tmp_path, world_size,
+                                                                     stage, ratio):
+    results = run_ranks(workers.offload_parity, world_size, 6, stage, ratio, str(tmp_path))
+    for result in results:
+        plain, offloaded = result["plain"], result["offloaded"]
+        for a, b in zip(plain["params"], offloaded["params"]):
+            assert torch.equal(a, b)
+        for key, entry in plain["state_dict"]["state"].items():
+            for name in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(entry[name], offloaded["state_dict"]["state"][key][name])
+    assert not any(os.listdir(tmp_path / name) for name in os.listdir(tmp_path))

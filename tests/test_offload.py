@@ -263,3 +263,50 @@ def test_the_top_level_names_stay_functions(tmp_path):
     assert callable(rlhfz.offload) and callable(rlhfz.reload) and callable(rlhfz.offloaded)
     rlhfz.offload(model, opt, to="disk", path=tmp_path)
     rlhfz.reload(model, opt)
+
+
+# ---- training with host-resident optimizer state (offload="cpu") ----------------------
+
+@pytest.mark.parametrize("ratio", [0.0, 0.37, 1.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_host_resident_state_steps_bitwise_like_the_plain_optimizer(ratio, dtype):
+    plain, plain_opt = make(dtype)
+    hosted, hosted_opt = make(dtype, offload="cpu", offload_ratio=ratio)
+    for step in range(8):
+        train_step(plain, plain_opt, step)
+        train_step(hosted, hosted_opt, step)
+    assert_same(snapshot(plain, plain_opt), snapshot(hosted, hosted_opt))
+    shard = sum(b.layout.shard_numel for b in hosted_opt._buckets)
+    host = sum(b.layout.shard_numel - b.split for b in hosted_opt._buckets)
+    assert abs(host - ratio * shard) <= len(hosted_opt._buckets)
+    report = hosted_opt.memory_report()
+    assert report["exp_avg"]["host"] == 4 * shard         # both parts are host memory here
+    if 0 < ratio < 1:
+        # some param's state crosses the split: its state tensors are kept current
+        assert any(b.stitched for b in hosted_opt._buckets)
+
+
+def test_host_resident_state_loads_and_saves_in_torch_format():
+    torch.manual_seed(0)
+    model, opt = make(torch.float32, offload="cpu", offload_ratio=0.5)
+    train_step(model, opt, 0)
+    saved = opt.state_dict()
+    reference = Net()
+    reference.load_state_dict(model.state_dict())
+    torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    torch_opt.load_state_dict(saved)
+    other, other_opt = make(torch.float32, seed=1, offload="cpu", offload_ratio=0.5)
+    other.load_state_dict(model.state_dict())
+    other_opt.load_state_dict(torch_opt.state_dict())
+    for step in range(1, 4):
+        train_step(model, opt, step)
+        train_step(other, other_opt, step)
+    assert_same(snapshot(model, opt), snapshot(other, other_opt))
+
+
+def test_offload_ratio_is_checked():
+    for bad in (-0.1, 1.5, "half", None):
+        with pytest.raises(ValueError, match="offload_ratio must be a number in"):
+            make(offload="cpu", offload_ratio=bad)
+    with pytest.raises(ValueError, match="offload must be None or 'cpu'"):
+        make(offload="nvme")

@@ -97,3 +97,22 @@ def test_a_failed_reload_leaves_the_state_on_the_host(monkeypatch):
     monkeypatch.undo()
     opt.reload()
     assert_same(before, snapshot(model, opt))
+
+
+@pytest.mark.parametrize("ratio", [1.0, 0.5, 0.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_host_resident_state_matches_device_training(ratio, dtype):
+    """offload="cpu": the last `ratio` of each shard steps on the CPU kernel,
+    the rest on the GPU; within 1e-6 relative of training all on the GPU."""
+    plain, plain_opt = make(dtype, width=256)
+    hosted, hosted_opt = make(dtype, width=256, offload="cpu", offload_ratio=ratio)
+    for step in range(20):
+        train_step(plain, plain_opt, step)
+        train_step(hosted, hosted_opt, step)
+    placement = hosted_opt.memory_report()["exp_avg"]
+    assert (placement["pinned"] + placement["host"] > 0) == (ratio > 0)
+    assert (placement["device"] > 0) == (ratio < 1)
+    a, b = snapshot(plain, plain_opt), snapshot(hosted, hosted_opt)
+    for key in a:
+        torch.testing.assert_close(b[key].cpu().float(), a[key].cpu().float(), rtol=1e-6,
+                                   atol=1e-6 * a[key].abs().max().item(), msg=key)
