@@ -250,9 +250,14 @@ int rlhfz_tier_copy_on(void *dst, const void *src, size_t nbytes, int any_cuda, 
                        int blocking)
 {
     if (!any_cuda) {
+        rlhfz_status status;
         Py_BEGIN_ALLOW_THREADS
-        memcpy(dst, src, nbytes);
+        status = rlhfz_copy_cpu(dst, src, nbytes);
         Py_END_ALLOW_THREADS
+        if (status != RLHFZ_OK) {
+            PyErr_Format(PyExc_RuntimeError, "copy: the CPU copy failed (status %d)", (int)status);
+            return -1;
+        }
         return 0;
     }
 #ifdef RLHFZ_WITH_CUDA

@@ -109,6 +109,10 @@ rlhfz_status rlhfz_scale_cpu(void *x, rlhfz_dtype dtype, size_t n, float scale);
 rlhfz_status rlhfz_cast_cpu(const void *src, rlhfz_dtype src_dtype,
                             void *dst, rlhfz_dtype dst_dtype, size_t n);
 
+/* dst = src, nbytes of host memory (the two must not overlap), over the
+ * thread pool for large copies. */
+rlhfz_status rlhfz_copy_cpu(void *dst, const void *src, size_t nbytes);
+
 /* ---- the memory-bandwidth bound for AdamW --------------------------------- */
 
 /* Exactly AdamW's fp32 memory traffic (read p, g, m, v; write p, m, v: 28
