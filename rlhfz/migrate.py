@@ -121,9 +121,11 @@ def _already_there(buffer, to: str) -> bool:
     return buffer.tier in ("host", "pinned") if to == "cpu" else buffer.tier == "disk"
 
 
-def _copy_all(pairs, stream) -> None:
+def _copy_all(pairs, stream, non_blocking: bool) -> None:
     for old, new in pairs:
-        new.copy_from(old, stream=stream)
+        # between pinned and device memory a copy may stay in flight on the stream
+        asynchronous = non_blocking and "disk" not in (old.tier, new.tier)
+        new.copy_from(old, stream=stream, non_blocking=asynchronous)
 
 
 def _report_held(olds, opt) -> None:
@@ -142,7 +144,8 @@ def _report_held(olds, opt) -> None:
             opt._held_elsewhere.append((kind, weakref.ref(buffer)))
 
 
-def move_buckets(opt, kinds, allocate, to_home: bool = False, to: str = "cpu") -> None:
+def move_buckets(opt, kinds, allocate, to_home: bool = False, to: str = "cpu",
+                 non_blocking: bool = False) -> None:
     """Moves the kinds' buffers of every bucket: allocate all, copy all, then
     swap and re-point. On any failure before the swap, nothing has moved.
     allocate(attr, nbytes) makes a target. to_home: back where each buffer
@@ -165,7 +168,8 @@ def move_buckets(opt, kinds, allocate, to_home: bool = False, to: str = "cpu") -
         return
     fresh = [allocate(attr, old.nbytes) for _, attr, _, old in moves]   # may raise: nothing moved
     stream = opt.backend.stream() if opt.backend.tier == "device" else None
-    _copy_all([(old, new) for (_, _, _, old), new in zip(moves, fresh)], stream)
+    _copy_all([(old, new) for (_, _, _, old), new in zip(moves, fresh)], stream,
+              non_blocking and stream is not None)
     touched = []
     for (bucket, attr, _, _), new in zip(moves, fresh):
         setattr(bucket, attr, new)
@@ -186,11 +190,12 @@ def offload_optimizer(opt, what=KINDS, to="cpu", path=None, non_blocking=False) 
     if opt.reducer is not None:
         opt.reducer.flush()       # no collective may still read or write grads
     allocate = _allocator(to, path, opt.pin_memory)
-    move_buckets(opt, kinds, lambda attr, nbytes: allocate(nbytes), to=to)
+    move_buckets(opt, kinds, lambda attr, nbytes: allocate(nbytes), to=to,
+                 non_blocking=non_blocking)
     if "grads" in kinds and opt.reducer is not None:
         opt.reducer.release()
     opt._offloaded.update(kinds)
-    if opt.backend.tier == "device":
+    if opt.backend.tier == "device" and not non_blocking:
         torch.cuda.synchronize(opt.backend.device)
 
 
@@ -199,7 +204,7 @@ def reload_optimizer(opt, non_blocking=False) -> None:
         if attr in Bucket._HOST_PART:
             return host_buffer(nbytes, opt.pin_memory)
         return opt.backend.buffer(nbytes, zero=False)
-    move_buckets(opt, KINDS, allocate, to_home=True)
+    move_buckets(opt, KINDS, allocate, to_home=True, non_blocking=non_blocking)
     if opt.reducer is not None:
         opt.reducer.reserve()
     opt._offloaded.clear()

@@ -739,7 +739,10 @@ class ZeroAdamW(Optimizer):
         memory (to="cpu") or to files in the directory `path` (to="disk").
         Every tensor keeps its identity; the memory left behind goes back
         (device memory to the driver). Offloading what is already there
-        does nothing. Call reload() before the next step."""
+        does nothing. Call reload() before the next step. non_blocking:
+        copies between device and pinned memory stay queued on torch's
+        current stream instead of being waited for here (work queued after
+        them on that stream sees the data; the host does not until it syncs)."""
         from .migrate import offload_optimizer
         offload_optimizer(self, what, to, path, non_blocking)
 

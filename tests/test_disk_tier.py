@@ -86,3 +86,14 @@ def test_a_copied_export_of_disk_memory_is_host_memory(tmp_path):
     del buffer
     assert os.listdir(tmp_path) == []
     assert bool((copied == 7.0).all())
+
+
+@pytest.mark.parametrize("nbytes", [(4 << 20) - 2, (4 << 20) + 2, (9 << 20) + 6, 37 << 20])
+def test_large_copies_split_over_threads_copy_every_byte(tmp_path, nbytes):
+    src, dst = _C.Buffer(nbytes), _C.Buffer(nbytes, "disk", path=tmp_path)
+    words = np.random.default_rng(nbytes).integers(0, 1 << 16, nbytes // 2, dtype=np.uint16)
+    np.from_dlpack(src.view("float16")).view(np.uint16)[:] = words
+    dst.copy_from(src)
+    back = _C.Buffer(nbytes, zero=False)
+    back.copy_from(dst)
+    assert np.array_equal(np.from_dlpack(back.view("float16")).view(np.uint16), words)

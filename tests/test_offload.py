@@ -310,3 +310,42 @@ def test_offload_ratio_is_checked():
             make(offload="cpu", offload_ratio=bad)
     with pytest.raises(ValueError, match="offload must be None or 'cpu'"):
         make(offload="nvme")
+
+
+class _PinningRefused:
+    """rlhfz._C as a machine with CUDA whose pinning fails would show it."""
+
+    def __init__(self, real):
+        self.real, self.pinned_asks = real, 0
+
+    def build_info(self):
+        return {**self.real.build_info(), "cuda": True}
+
+    def Buffer(self, nbytes, tier="host", **kwargs):
+        if tier == "pinned":
+            self.pinned_asks += 1
+            raise MemoryError("cudaHostAlloc: out of memory (simulated)")
+        return self.real.Buffer(nbytes, tier, **kwargs)
+
+
+def test_a_refused_pin_falls_back_to_pageable_memory(monkeypatch):
+    fake = _PinningRefused(migrate._C)
+    monkeypatch.setattr(migrate, "_C", fake)
+    monkeypatch.setattr(migrate._Pinned, "noticed", False)
+    with pytest.warns(RuntimeWarning, match="pinning 4096 bytes failed .* pageable"):
+        buffer = migrate.host_buffer(4096, True)
+    assert buffer.tier == "host" and fake.pinned_asks == 1
+    assert migrate.host_buffer(64, False).tier == "host" and fake.pinned_asks == 1
+
+
+def test_auto_pinning_stops_at_its_budget(monkeypatch):
+    fake = _PinningRefused(migrate._C)
+    monkeypatch.setattr(migrate, "_C", fake)
+    monkeypatch.setattr(migrate._Pinned, "noticed", False)
+    monkeypatch.setenv("RLHFZ_PIN_BUDGET_BYTES", "1000")
+    assert migrate.pin_budget() == 1000
+    with pytest.warns(RuntimeWarning, match="at its budget \\(1000 bytes"):
+        buffer = migrate.host_buffer(4096, "auto")
+    assert buffer.tier == "host" and fake.pinned_asks == 0      # not even tried
+    monkeypatch.delenv("RLHFZ_PIN_BUDGET_BYTES")
+    assert 0 < migrate.pin_budget() <= migrate._available_ram()
