@@ -17,6 +17,8 @@ _LAZY = {
     "offload": ("rlhfz.migrate", "offload"),
     "reload": ("rlhfz.migrate", "reload"),
     "offloaded": ("rlhfz.migrate", "offloaded"),
+    "gather_for_generation": ("rlhfz.generation", "gather_for_generation"),
+    "iter_full_params": ("rlhfz.generation", "iter_full_params"),
 }
 
 
@@ -67,5 +69,6 @@ def __dir__():
     return sorted(list(globals()) + list(_LAZY))
 
 
-__all__ = ["ZeroAdamW", "NonFiniteGradError", "offload", "reload", "offloaded", "build_info",
-           "set_num_threads", "get_num_threads", "__version__"]
+__all__ = ["ZeroAdamW", "NonFiniteGradError", "offload", "reload", "offloaded",
+           "gather_for_generation", "iter_full_params", "build_info", "set_num_threads",
+           "get_num_threads", "__version__"]

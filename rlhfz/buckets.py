@@ -40,12 +40,13 @@ class Bucket:
     def __init__(self, params: list[torch.Tensor], group_index: int, dtype: torch.dtype,
                  rank: int = 0, world_size: int = 1, full_grads: bool = True,
                  reduce_dtype: torch.dtype | None = None, backend=None,
-                 host_ratio: float = 0.0, host_alloc=None):
+                 host_ratio: float = 0.0, host_alloc=None, sharded_params: bool = False):
         self.params = params
         self.group_index = group_index
         self.dtype = dtype
         self.dtype_name = DTYPE_NAMES[dtype]
         itemsize = torch.empty((), dtype=dtype).element_size()
+        self.itemsize = itemsize
         self.layout: BucketLayout = plan_bucket([tuple(p.shape) for p in params], itemsize,
                                                 world_size)
         self.rank, self.world_size = rank, world_size
@@ -57,7 +58,12 @@ class Bucket:
         # Allocate everything before touching any param, so a failure here
         # (out of memory) leaves the model as it was. Params and grads are
         # whole; master, moments and the reduced grad cover this rank's shard.
-        self.param_buffer = alloc(n * itemsize)
+        # Stage 3 (sharded_params) keeps only this rank's shard of the params
+        # too; gather() makes the whole bucket for as long as it is needed.
+        self.sharded_params = sharded_params
+        self.param_base = 0 if sharded_params else self.shard_start
+        self.param_buffer = alloc((shard if sharded_params else n) * itemsize)
+        self.gathered = None          # stage 3: (Buffer, flat tensor) while gathered
         # Stage 2 keeps no full-size grads: the reducer stages them briefly.
         self.full_grads = full_grads
         self.grad_buffer = alloc(n * itemsize) if full_grads else None
@@ -145,7 +151,7 @@ class Bucket:
         self.grad_kview = self.grad_buffer.view(self.dtype_name) if self.full_grads else None
         self.grad_shard_kview = self.grad_shard_kview_range(0, shard)
         self.master_kview = self._master_view(0, self.split)
-        self.param_shard_kview = self.param_buffer.view(self.dtype_name, self.shard_start,
+        self.param_shard_kview = self.param_buffer.view(self.dtype_name, self.param_base,
                                                         (shard,))
         self.exp_avg_kview = self.exp_avg_buffer.view("float32")
         self.exp_avg_sq_kview = self.exp_avg_sq_buffer.view("float32")
@@ -169,7 +175,7 @@ class Bucket:
             dtype = {"host_param_buffer": self.dtype_name,
                      "host_grad_buffer": DTYPE_NAMES[self.reduce_dtype]}.get(attr, "float32")
             setattr(self, name, torch_view(buffer.view(dtype)) if buffer else None)
-        self.param_views = self._views(self.flat_param)
+        self.param_views = None if self.sharded_params else self._views(self.flat_param)
         self.grad_views = self._views(self.flat_grad) if self.full_grads else None
         # With one rank, the state views have the params' shapes, as
         # torch.optim.AdamW's do. A param whose shard range crosses into the
@@ -199,7 +205,7 @@ class Bucket:
                 else:
                     old.data = new
                 setattr(self, name, old)
-            for p, view in zip(self.params, self.param_views):
+            for p, view in zip(self.params, self.param_views or []):
                 p.data = view
 
     def _master_view(self, lo: int, n: int):
@@ -207,7 +213,7 @@ class Bucket:
         16-bit params, else this rank's range of the params themselves."""
         if self.master_buffer is not None:
             return self.master_buffer.view("float32", lo, (n,))
-        return self.param_buffer.view("float32", self.shard_start + lo, (n,))
+        return self.param_buffer.view("float32", self.param_base + lo, (n,))
 
     def _local_range(self, slot) -> tuple[int, int]:
         lo = max(slot.offset, self.shard_start)
@@ -309,6 +315,9 @@ class Bucket:
 
     def attach(self) -> None:
         """Copy each param's values in, and make param.data a view of the bucket."""
+        if self.sharded_params:
+            self._attach_shard()
+            return
         with torch.no_grad():
             grad_views = self.grad_views or [None] * len(self.params)
             for p, view, grad_view in zip(self.params, self.param_views, grad_views):
@@ -318,15 +327,63 @@ class Bucket:
                 if grad is not None and grad_view is not None:
                     grad_view.copy_(grad)
                     p.grad = grad_view
+        self._finish_attach()
+
+    def _attach_shard(self) -> None:
+        """Stage 3: keep this rank's part of each param, and leave the param
+        an empty placeholder until gather()."""
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                a, b = self.local[i]
+                if a < b:
+                    offset = self.layout.slots[i].offset - self.shard_start
+                    flat = p.detach().reshape(-1)
+                    self.flat_param_shard[a:b].copy_(flat[a - offset:b - offset])
+                p.grad = None
+                p.data = self.placeholder(p)
+        self._finish_attach()
+
+    def placeholder(self, p: torch.Tensor) -> torch.Tensor:
+        return torch.empty(0, dtype=self.dtype, device=self.backend.device)
+
+    def _finish_attach(self) -> None:
         if self.master_buffer is not None:
             self.backend.cast_(self.master_kview, self.param_buffer.view(
-                self.dtype_name, self.shard_start, (self.split,)))
+                self.dtype_name, self.param_base, (self.split,)))
         self.pull_host_part()
         self_ref = weakref.ref(self)
         for i, p in enumerate(self.params):
             if p.requires_grad:
                 self._hook_handles.append(p.register_post_accumulate_grad_hook(
                     _make_grad_hook(self_ref, i)))
+
+    # ---- stage 3: whole params only while needed ----------------------------------
+
+    def gather(self, comm, async_op: bool = False):
+        """Makes every param whole (param.data a view of a gathered bucket);
+        returns the collective's work with async_op."""
+        if self.gathered is not None:
+            return None
+        buffer = self.backend.buffer(self.layout.padded_numel * self.itemsize, zero=False)
+        flat = torch_view(buffer.view(self.dtype_name))
+        work = comm.all_gather(flat, self.flat_param_shard, async_op=async_op)
+        self.gathered = (buffer, flat)
+        with torch.no_grad():
+            for p, slot in zip(self.params, self.layout.slots):
+                p.data = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        return work
+
+    def release(self) -> None:
+        """Back to placeholders; the gathered memory goes back at once."""
+        if self.gathered is None:
+            return
+        with torch.no_grad():
+            for p in self.params:
+                p.data = self.placeholder(p)
+        self.gathered = None
+
+    def gathered_bytes(self) -> int:
+        return self.gathered[0].nbytes if self.gathered is not None else 0
 
     def detach_hooks(self) -> None:
         for handle in self._hook_handles:
@@ -403,7 +460,7 @@ class Bucket:
         n = (hi - lo,)
         param_out = None
         if self.master_buffer is not None:
-            param_out = self.param_buffer.view(self.dtype_name, self.shard_start + lo, n)
+            param_out = self.param_buffer.view(self.dtype_name, self.param_base + lo, n)
         return (self._master_view(lo, hi - lo),
                 self.exp_avg_buffer.view("float32", lo, n),
                 self.exp_avg_sq_buffer.view("float32", lo, n),

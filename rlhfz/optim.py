@@ -188,10 +188,10 @@ class ZeroAdamW(Optimizer):
         self.comm = communicator_for(process_group, collectives, self.device)
         self.rank = self.comm.rank if self.comm else 0
         self.world_size = self.comm.world_size if self.comm else 1
-        if self.world_size > 1 and stage in (0, 3):
-            raise NotImplementedError(
-                f"across processes this version shards stages 1 and 2; stage={stage} with "
-                f"{self.world_size} ranks is not available yet")
+        if self.world_size > 1 and stage == 0:
+            raise ValueError(f"stage=0 does not shard, so it has no use for {self.world_size} "
+                             f"ranks: wrap the model in DistributedDataParallel, or pick "
+                             f"stage 1, 2 or 3")
 
         self.stage = stage
         self.module = module
@@ -207,7 +207,15 @@ class ZeroAdamW(Optimizer):
         self.skipped_steps = 0
         self._buckets: list[Bucket] = []
         self.reducer = (GradReducer(self._buckets, self.comm, self.backend)
-                        if stage == 2 and self.world_size > 1 else None)
+                        if stage >= 2 and self.world_size > 1 else None)
+        # Stage 3 across ranks: params sharded too, gathered per unit (stage3.py).
+        self.stage3 = None
+        if stage == 3 and self.world_size > 1:
+            from .stage3 import Stage3
+            self.stage3 = Stage3(self.comm, [], root=module)
+            self.reducer.on_staged = self.stage3.on_staged
+            self.reducer.after_flush = self.stage3.release_all
+            setattr(module, "_rlhfz_stage3", self.stage3)     # for gather_for_generation
         self._finite_versions: tuple[int, ...] | None = None
         self._host = HostBackend()
         self._offloaded: set[str] = set()          # kinds offload() moved away from home
@@ -247,14 +255,35 @@ class ZeroAdamW(Optimizer):
         # Build the buckets before the group is registered: if allocation
         # fails, neither the optimizer nor the model has changed.
         group_index = len(self.param_groups)
-        buckets = []
-        for dtype in DTYPE_NAMES:
-            members = [p for p in tensors if p.dtype == dtype]
-            for chunk in self._bucket_chunks(members):
-                buckets.append(Bucket(chunk, group_index, dtype, self.rank, self.world_size,
-                                      full_grads=self.reducer is None,
-                                      reduce_dtype=self.reduce_dtype, backend=self.backend,
-                                      host_ratio=self.host_ratio, host_alloc=self._host_alloc))
+        buckets, units = [], []
+        if self.stage3 is not None:
+            from .stage3 import assign_params
+            if self.module is None:
+                raise ValueError("stage=3 needs the nn.Module: pass ZeroAdamW(model, stage=3)")
+            order, persistent = assign_params(self.module, self.wrap,
+                                              self.param_persistence_threshold, tensors)
+            # Buckets launch their reduce-scatter in descending index, the
+            # order backward finishes them: the root unit (embeddings) last,
+            # the small whole params next, the units in reverse.
+            root = [(m, ps, True) for m, ps in order if m is self.module]
+            blocks = [(m, ps, True) for m, ps in order if m is not self.module]
+            groups = root + [(None, persistent, False)] + blocks
+        else:
+            groups = [(None, tensors, False)]
+        for unit, members_all, sharded in groups:
+            unit_buckets = []
+            for dtype in DTYPE_NAMES:
+                members = [p for p in members_all if p.dtype == dtype]
+                chunks = [members] if sharded and members else self._bucket_chunks(members)
+                for chunk in chunks:
+                    unit_buckets.append(Bucket(
+                        chunk, group_index, dtype, self.rank, self.world_size,
+                        full_grads=self.reducer is None, reduce_dtype=self.reduce_dtype,
+                        backend=self.backend, host_ratio=self.host_ratio,
+                        host_alloc=self._host_alloc, sharded_params=sharded))
+            buckets += unit_buckets
+            if unit is not None and unit_buckets:
+                units.append((unit, unit_buckets))
         group["params"] = params
         super().add_param_group(group)
         param_group.clear()
@@ -268,6 +297,8 @@ class ZeroAdamW(Optimizer):
                 bucket.grad_sink = self.reducer.on_grad
         if self.reducer is not None:
             self.reducer.reserve()
+        if units:
+            self.stage3.add_units(units)
 
     def _bucket_chunks(self, members: list) -> list[list]:
         """One bucket per dtype, or under stage 2, runs of about stage2_bucket_bytes."""
@@ -507,7 +538,7 @@ class ZeroAdamW(Optimizer):
                         if not bucket.registered[i]:
                             self._register_state(bucket, i)
                     bucket.all_registered = all(bucket.registered)
-            if self.comm is not None and any(present):
+            if self.comm is not None and any(present) and not bucket.sharded_params:
                 # in flight while the next bucket steps
                 gathers.append(self.comm.all_gather(bucket.flat_param, bucket.flat_param_shard,
                                                     async_op=True))

@@ -35,6 +35,10 @@ class GradReducer:
         self._scratch: dict[torch.dtype, torch.Tensor] = {}
         self._round_open = False
         self._next = -1
+        # stage 3: told when a bucket's grads are all staged (its params may
+        # go), and when backward is over
+        self.on_staged = None
+        self.after_flush = None
 
     # ---- memory -------------------------------------------------------------------
 
@@ -130,6 +134,8 @@ class GradReducer:
         param.grad = None
         bucket.arrived[index] = True
         if bucket.arrived_now == bucket.expected:
+            if self.on_staged is not None:
+                self.on_staged(bucket)
             self._launch_ready()
 
     def _launch_ready(self) -> None:
@@ -173,6 +179,8 @@ class GradReducer:
                 self._next -= 1
             self._round_open = False
         self.wait_all()
+        if self.after_flush is not None:
+            self.after_flush()
 
     def wait_all(self) -> None:
         for slot in list(self._slot_work):

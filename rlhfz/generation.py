@@ -1,0 +1,121 @@
+"""Generation and weight export under stage 3.
+
+gather_for_generation(model, enabled=True, budget_bytes=None) is a context
+manager that every rank enters:
+- enabled=True gathers every unit once, holds them for the whole context
+  (the per-unit hooks stand aside) and re-shards on exit: the fastest
+  generation, with the whole model in memory;
+- enabled=False keeps the model sharded: each forward gathers unit by unit,
+  one unit ahead, so memory stays at the shard plus two units;
+- budget_bytes=B keeps the units that fit in B gathered for the whole
+  context (in execution order) and gathers the rest unit by unit.
+On any exit, an exception included, the hooks and shards are exactly as
+before and the gathered memory is released. Contexts nest. On a model whose
+optimizer is not at stage 3 across ranks it does nothing.
+
+iter_full_params(model, bucket_bytes) yields (name, whole tensor) for every
+param, gathering a few units at a time, for syncing weights into an
+inference engine without the whole model in memory at once.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+_ATTRIBUTE = "_rlhfz_stage3"
+
+
+def _unwrap(model):
+    """The module under DDP / accelerate wrappers (their .module)."""
+    seen = 0
+    while not hasattr(model, _ATTRIBUTE) and hasattr(model, "module") and seen < 8:
+        model = model.module
+        seen += 1
+    return model
+
+
+def stage3_of(model):
+    """The Stage3 hooks of a model's optimizer, or None (stages 0-2, one rank)."""
+    return getattr(_unwrap(model), _ATTRIBUTE, None)
+
+
+def _check(enabled, budget_bytes) -> None:
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be True or False, not {enabled!r}")
+    if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes < 0):
+        raise ValueError(f"budget_bytes must be None or an int >= 0, not {budget_bytes!r}")
+
+
+@contextlib.contextmanager
+def gather_for_generation(model, enabled: bool = True, budget_bytes: int | None = None):
+    _check(enabled, budget_bytes)
+    stage3 = stage3_of(model)
+    if stage3 is None:
+        yield model
+        return
+    full = enabled and budget_bytes is None
+    stage3.comm.agree("gather_for_generation",
+                      {"mode": "full" if full else "budget" if budget_bytes is not None
+                       else "unit by unit", "budget_bytes": budget_bytes})
+    saved_keep = set(stage3.keep)
+    held = []
+    try:
+        if full:
+            stage3.hold_all()
+            held.append(True)
+        elif budget_bytes is not None:
+            stage3.keep |= stage3.units_within(budget_bytes)
+            for index in sorted(stage3.keep - saved_keep):
+                stage3.gather(index)
+        yield model
+    finally:
+        if held:
+            stage3.unhold_all()
+        stage3.keep = saved_keep
+        stage3.release_all()
+
+
+def iter_full_params(model, bucket_bytes: int = 256 << 20):
+    """Yields (name, tensor) for every param of the model, whole. Under
+    stage 3 across ranks (a collective: every rank iterates to the end)
+    units are gathered a few at a time, up to about bucket_bytes, and
+    released once their params were yielded; each tensor stays valid as
+    long as the caller holds it."""
+    if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be an int > 0, not {bucket_bytes!r}")
+    inner = _unwrap(model)
+    names = {}
+    for name, p in inner.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    stage3 = stage3_of(model)
+    if stage3 is None:
+        for name, p in inner.named_parameters():
+            yield name, p.detach()
+        return
+    stage3.comm.agree("iter_full_params", {"bucket_bytes": bucket_bytes})
+    in_units = {id(p) for _, buckets in stage3.units for b in buckets for p in b.params}
+    for name, p in inner.named_parameters():
+        if id(p) not in in_units:
+            yield name, p.detach()
+    batch, size = [], 0
+    indices = list(range(len(stage3.units)))
+    try:
+        for position, index in enumerate(indices):
+            batch.append(index)
+            size += stage3.unit_bytes(index)
+            last = position == len(indices) - 1
+            if size < bucket_bytes and not last:
+                continue
+            for i in batch:
+                stage3.gather(i)
+            with torch.no_grad():
+                for i in batch:
+                    for bucket in stage3.units[i][1]:
+                        for p in bucket.params:
+                            yield names.get(id(p), f"<param {id(p)}>"), p.detach()
+            for i in batch:
+                stage3.release(i)
+            batch, size = [], 0
+    finally:
+        stage3.release_all()

@@ -1,0 +1,1 @@
+"""Integrations of rlhfz with training libraries (imported on demand)."""

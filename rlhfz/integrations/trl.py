@@ -1,0 +1,48 @@
+"""TRL's unwrap_model_for_generation, on rlhfz's stage 3.
+
+Same signature and meaning as trl.models.utils.unwrap_model_for_generation:
+the model comes out of its accelerate / DDP wrappers, gradient checkpointing
+is off while it generates, gather_deepspeed3_params=True gathers the whole
+model for the context (False: stays sharded, gathered unit by unit), and
+generation_kwargs override the generation config for the context. Unlike
+TRL's, everything is restored when the block raises.
+"""
+from __future__ import annotations
+
+import contextlib
+
+from ..generation import _unwrap, gather_for_generation
+
+
+@contextlib.contextmanager
+def _generation_config(model, generation_kwargs):
+    if generation_kwargs is None or not hasattr(model, "generation_config"):
+        yield
+        return
+    target = model.get_base_model() if hasattr(model, "get_base_model") else model
+    from transformers import GenerationConfig
+    original = target.generation_config
+    config = GenerationConfig.from_dict(original.to_dict())
+    config.update(**generation_kwargs)
+    target.generation_config = config
+    try:
+        yield
+    finally:
+        target.generation_config = original
+
+
+@contextlib.contextmanager
+def unwrap_model_for_generation(model, accelerator=None, gather_deepspeed3_params: bool = True,
+                                generation_kwargs: dict | None = None):
+    unwrapped = accelerator.unwrap_model(model) if accelerator is not None else _unwrap(model)
+    unwrapped = _unwrap(unwrapped)
+    checkpointing = bool(getattr(unwrapped, "is_gradient_checkpointing", False))
+    if checkpointing:
+        unwrapped.gradient_checkpointing_disable()
+    try:
+        with gather_for_generation(unwrapped, enabled=bool(gather_deepspeed3_params)), \
+                _generation_config(unwrapped, generation_kwargs):
+            yield unwrapped
+    finally:
+        if checkpointing:
+            unwrapped.gradient_checkpointing_enable()

@@ -1,0 +1,295 @@
+"""Stage 3: params sharded across ranks, whole only while a unit runs.
+
+A unit is a module (a transformer block, say) whose params form one flat
+bucket; each rank keeps its shard. Before the unit's forward its params are
+all-gathered, and after it they are released (param.data becomes an empty
+placeholder, the gathered memory goes back). Autograd keeps the params
+themselves as saved tensors, so a hook on the unit's outputs gathers them
+again when backward reaches the unit; once every param of the unit has its
+grad (staged for the reduce-scatter), they are released again. The next
+unit in execution order is gathered ahead while one runs (prefetch).
+
+Which params go where:
+- a param below param_persistence_threshold elements stays whole on every
+  rank (it rides in an ordinary stage-2 bucket);
+- a param owned by modules of one unit belongs to it; one shared across
+  units (tied embeddings) belongs to the root unit, the model itself, which
+  stays gathered for the whole forward.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+ROOT = "<root>"
+
+
+def _unit_modules(model: torch.nn.Module, wrap) -> list[torch.nn.Module]:
+    """The modules that become units, outermost first, in registration order."""
+    if wrap is not None:
+        classes = tuple(wrap)
+        if not classes or not all(isinstance(c, type) for c in classes):
+            raise ValueError(f"wrap must be a list of nn.Module classes, not {wrap!r}")
+        candidates = [m for m in model.modules() if isinstance(m, classes) and m is not model]
+    else:
+        # the blocks of a transformer: the members of every ModuleList
+        candidates = [child for m in model.modules() if isinstance(m, torch.nn.ModuleList)
+                      for child in m.children()]
+        if not candidates:
+            candidates = [child for child in model.children()
+                          if any(True for _ in child.parameters())]
+    units, inside = [], set()
+    for module in candidates:                    # nested candidates join their outer unit
+        if id(module) in inside:
+            continue
+        units.append(module)
+        inside.update(id(m) for m in module.modules())
+    return units
+
+
+def assign_params(model: torch.nn.Module, wrap, threshold: int, params: list):
+    """([(unit module, [params])], [persistent params]): every trainable
+    param once, units in registration order, the root unit last."""
+    units = _unit_modules(model, wrap)
+    unit_of_module = {}
+    for unit in units:
+        for m in unit.modules():
+            unit_of_module[id(m)] = unit
+    owners: dict[int, set] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), set()).add(id(unit_of_module.get(id(module), model)))
+    wanted = {id(p) for p in params}
+    members: dict[int, list] = {id(u): [] for u in units + [model]}
+    persistent, seen = [], set()
+    for p in params:
+        if id(p) in seen or id(p) not in wanted:
+            continue
+        seen.add(id(p))
+        if p.numel() < threshold:
+            persistent.append(p)
+            continue
+        homes = owners.get(id(p), {id(model)})
+        members[next(iter(homes)) if len(homes) == 1 else id(model)].append(p)
+    order = [(u, members[id(u)]) for u in units + [model] if members[id(u)]]
+    return order, persistent
+
+
+class Stage3:
+    """The hooks that gather and release each unit's params around its use.
+
+    A unit's hooks sit on its module; the root unit's (params the model
+    itself holds, or shared between units) on each module that uses them,
+    so it too is whole only while one of those runs. The model's own hooks
+    mark where a forward starts and ends: the first forward records the
+    order units run in, and later ones gather the next unit in that order
+    while the current one runs."""
+
+    def __init__(self, comm, units: list[tuple[torch.nn.Module, list]], root=None):
+        self.comm = comm
+        self.root = root
+        self.units = []                       # [(module, [buckets])]
+        self.handles = []
+        self.order: list[int] = []            # unit indices, as the first forward ran them
+        self.order_known = False
+        self.position = 0                     # how far this forward is along order
+        self.suspended = 0                    # gather_for_generation(enabled=True) holds all
+        self.keep: set[int] = set()           # units a budget keeps gathered
+        self.prefetching = True
+        self.peak_bytes = 0
+        self._pending = {}                    # unit -> in-flight gather works
+        ref = weakref.ref(self)
+        if root is not None:
+            self.handles.append(root.register_forward_pre_hook(_forward_starts(ref)))
+            self.handles.append(root.register_forward_hook(_forward_ends(ref)))
+        self.add_units(units)
+
+    def add_units(self, units) -> None:
+        ref = weakref.ref(self)
+        for module, buckets in units:
+            index = len(self.units)
+            self.units.append((module, buckets))
+            sites = [module]
+            if module is self.root:
+                mine = {id(p) for b in buckets for p in b.params}
+                sites = [m for m in module.modules()
+                         if any(id(p) in mine for p in m.parameters(recurse=False))]
+            for site in sites:
+                self.handles.append(site.register_forward_pre_hook(_pre_forward(ref, index)))
+                self.handles.append(site.register_forward_hook(_post_forward(ref, index)))
+
+    # ---- gathering --------------------------------------------------------------------
+
+    def gathered_bytes(self) -> int:
+        return sum(b.gathered_bytes() for _, buckets in self.units for b in buckets)
+
+    def unit_bytes(self, index: int) -> int:
+        return sum(b.layout.padded_numel * b.itemsize for b in self.units[index][1])
+
+    def _note_peak(self) -> None:
+        self.peak_bytes = max(self.peak_bytes, self.gathered_bytes())
+
+    def gather(self, index: int) -> None:
+        work = self._pending.pop(index, None)
+        if work is not None:
+            for w in work:
+                if w is not None:
+                    w.wait()
+        else:
+            for bucket in self.units[index][1]:
+                bucket.gather(self.comm)
+        self._note_peak()
+
+    def prefetch(self, index: int | None) -> None:
+        """Starts gathering a unit (in flight while the current one runs)."""
+        if index is None or not self.prefetching or index in self._pending:
+            return
+        if all(b.gathered is not None for b in self.units[index][1]):
+            return
+        self._pending[index] = [b.gather(self.comm, async_op=True)
+                                for b in self.units[index][1]]
+        self._note_peak()
+
+    def release(self, index: int) -> None:
+        if self.suspended or index in self.keep:
+            return
+        work = self._pending.pop(index, None)
+        for w in work or []:
+            if w is not None:
+                w.wait()
+        for bucket in self.units[index][1]:
+            bucket.release()
+
+    def release_all(self) -> None:
+        for index in range(len(self.units)):
+            self.release(index)
+
+    def hold_all(self) -> None:
+        """Every unit whole until unhold_all (the hooks stand aside)."""
+        for index in range(len(self.units)):
+            self.gather(index)
+        self.suspended += 1
+
+    def unhold_all(self) -> None:
+        self.suspended -= 1
+
+    def units_within(self, budget: int) -> set[int]:
+        """Units to keep whole under a budget of bytes, in the order they
+        run, leaving room for the one gathered ahead (so the units gathered
+        at once stay within the budget plus one unit)."""
+        largest = max((self.unit_bytes(i) for i in range(len(self.units))), default=0)
+        room = budget - largest
+        chosen = set()
+        sequence = list(dict.fromkeys(self.order + list(range(len(self.units)))))
+        for index in sequence:
+            size = self.unit_bytes(index)
+            if size <= room:
+                chosen.add(index)
+                room -= size
+        return chosen
+
+    def following(self) -> int | None:
+        """The unit after the one running now, by the first forward's order."""
+        if not self.order_known or self.position >= len(self.order):
+            return None
+        return self.order[self.position]
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    # ---- backward ---------------------------------------------------------------------
+
+    def on_staged(self, bucket) -> None:
+        """The reducer has staged every grad of a bucket: when all of its
+        unit's buckets are, the unit's params may go."""
+        for index, (_, buckets) in enumerate(self.units):
+            if any(b is bucket for b in buckets):
+                if all(b.arrived_now >= b.expected for b in buckets):
+                    self.release(index)
+                return
+
+
+def _forward_starts(ref):
+    def hook(module, args):
+        self = ref()
+        if self is not None:
+            self.position = 0
+    return hook
+
+
+def _forward_ends(ref):
+    def hook(module, args, output):
+        self = ref()
+        if self is None:
+            return
+        self.order_known = self.order_known or bool(self.order)
+        self.release_all()            # with any gather ahead that went unused
+    return hook
+
+
+def _pre_forward(ref, index):
+    def hook(module, args):
+        self = ref()
+        if self is None or self.suspended:
+            return
+        if not self.order_known:
+            self.order.append(index)
+        self.position += 1
+        self.gather(index)
+        self.prefetch(self.following())
+    return hook
+
+
+def _post_forward(ref, index):
+    def hook(module, args, output):
+        self = ref()
+        if self is None or self.suspended:
+            return
+        if torch.is_grad_enabled():
+            _on_backward(output, lambda: _backward_gather(ref, index))
+        self.release(index)
+    return hook
+
+
+def _backward_gather(ref, index):
+    self = ref()
+    if self is None:
+        return
+    self.gather(index)
+    # backward runs units in reverse: gather the one before this ahead
+    if index in self.order:
+        at = self.order.index(index)
+        if at > 0:
+            self.prefetch(self.order[at - 1])
+
+
+def _on_backward(output, fn) -> None:
+    """Calls fn once, when backward first reaches any tensor of output."""
+    tensors = [t for t in _tensors(output) if t.requires_grad]
+    if not tensors:
+        return
+    fired = []
+
+    def grad_hook(grad):
+        if not fired:
+            fired.append(True)
+            fn()
+        return None
+    for t in tensors:
+        t.register_hook(grad_hook)
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+    elif hasattr(value, "to_tuple"):               # transformers' ModelOutput
+        yield from _tensors(value.to_tuple())

@@ -1,0 +1,183 @@
+"""Per-rank bodies of the stage 3 tests (importable by spawned ranks)."""
+import os
+import warnings
+
+import torch
+
+import rlhfz
+
+PROMPT = torch.tensor([[5, 17, 23, 42, 8], [9, 3, 77, 1, 60]])
+NEW_TOKENS = 32
+VOCAB = 97
+
+
+def tiny_lm(kind: str, seed: int = 0):
+    """A 4-block GPT-2 or Llama-style causal LM built from a config (no
+    downloads), with tied input and output embeddings."""
+    import transformers
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=VOCAB,
+                                         n_positions=64, bos_token_id=0, eos_token_id=0,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return transformers.GPT2LMHeadModel(config)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      vocab_size=VOCAB, max_position_embeddings=64,
+                                      tie_word_embeddings=True, bos_token_id=0, eos_token_id=0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def greedy(model):
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return model.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), do_sample=False,
+                              max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                              pad_token_id=0)
+
+
+def batches(steps, seed=1, batch=12, length=10):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (batch, length), generator=gen) for _ in range(steps)]
+
+
+def lm_loss(model, ids):
+    return model(input_ids=ids, labels=ids).loss
+
+
+def generation_modes(rank, world_size, kind):
+    """Greedy tokens and peak gathered bytes in each mode, and what is
+    gathered after each context."""
+    model = tiny_lm(kind).eval()
+    opt = rlhfz.ZeroAdamW(model, stage=3, param_persistence_threshold=64)
+    stage3 = opt.stage3
+    units = [stage3.unit_bytes(i) for i in range(len(stage3.units))]
+    total = sum(units)
+    shard = sum(b.param_buffer.nbytes for _, buckets in stage3.units for b in buckets)
+    out = {"units": units, "shard": shard, "hooks": len(stage3.handles)}
+    modes = [("unit", dict(enabled=False)), ("full", dict(enabled=True))]
+    modes += [(f"budget{q}", dict(budget_bytes=total * q // 4)) for q in (1, 2, 3)]
+    for mode, options in modes:
+        stage3.peak_bytes = 0
+        with rlhfz.gather_for_generation(model, **options):
+            out[mode] = greedy(model)
+        out[mode + "_peak"] = stage3.peak_bytes
+        out[mode + "_after"] = stage3.gathered_bytes()
+    out["hooks_after"] = len(stage3.handles)
+    return out
+
+
+def exception_safety(rank, world_size, kind):
+    """An exception inside each mode leaves the model generating and training."""
+    model = tiny_lm(kind)
+    opt = rlhfz.ZeroAdamW(model, stage=3, lr=1e-3, param_persistence_threshold=64)
+    stage3 = opt.stage3
+    hooks = len(stage3.handles)
+    out = {"errors": 0}
+    for options in (dict(enabled=True), dict(enabled=False), dict(budget_bytes=1 << 16)):
+        try:
+            with rlhfz.gather_for_generation(model, **options):
+                greedy(model)
+                raise KeyError("generation failed")
+        except KeyError:
+            out["errors"] += 1
+        out.setdefault("after", []).append(stage3.gathered_bytes())
+        out.setdefault("keep", []).append(len(stage3.keep) + stage3.suspended)
+    # nesting: full inside unit by unit inside full
+    with rlhfz.gather_for_generation(model, enabled=False):
+        with rlhfz.gather_for_generation(model):
+            with rlhfz.gather_for_generation(model):
+                pass
+            out["nested_gathered"] = stage3.gathered_bytes()
+    out["nested_after"] = stage3.gathered_bytes()
+    model.eval()
+    out["tokens"] = greedy(model)
+    model.train()
+    for ids in batches(3):
+        opt.zero_grad()
+        lm_loss(model, ids[rank::world_size]).backward()
+        opt.step()
+    out["trained_after"] = stage3.gathered_bytes()
+    out["trl"] = trl_twin(model)
+    out["hooks_before"], out["hooks_after"] = hooks, len(stage3.handles)
+    out["params"] = {name: t.clone() for name, t in rlhfz.iter_full_params(model, 4096)}
+    return out
+
+
+class _Wrapper(torch.nn.Module):
+    """What accelerate hands a trainer: the model inside a wrapper."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+
+class _Accelerator:
+    @staticmethod
+    def unwrap_model(model):
+        return model.module
+
+
+def trl_twin(model):
+    """unwrap_model_for_generation in both settings, and after an exception."""
+    from rlhfz.integrations.trl import unwrap_model_for_generation
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    wrapped, out = _Wrapper(model), {}
+    model.eval()
+    for gather in (True, False):
+        with unwrap_model_for_generation(wrapped, _Accelerator(), gather_deepspeed3_params=gather,
+                                         generation_kwargs={"max_new_tokens": 4}) as unwrapped:
+            out[f"is_model_{gather}"] = unwrapped is model
+            out[f"checkpointing_inside_{gather}"] = unwrapped.is_gradient_checkpointing
+            out[f"config_inside_{gather}"] = unwrapped.generation_config.max_new_tokens
+            out[f"tokens_{gather}"] = greedy(unwrapped)
+    try:
+        with unwrap_model_for_generation(wrapped, _Accelerator(),
+                                         generation_kwargs={"max_new_tokens": 4}):
+            raise RuntimeError("inference engine crashed")
+    except RuntimeError:
+        pass
+    out["checkpointing_after"] = model.is_gradient_checkpointing
+    out["config_after"] = model.generation_config.max_new_tokens
+    out["gathered_after"] = model._rlhfz_stage3.gathered_bytes()
+    model.gradient_checkpointing_disable()
+    model.train()
+    return out
+
+
+def train_parity(rank, world_size, kind, steps, checkpointing):
+    """Stage 3 training; every rank takes its rows of each global batch.
+    Returns the losses and the whole params (iter_full_params)."""
+    model = tiny_lm(kind)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    opt = rlhfz.ZeroAdamW(model, stage=3, lr=1e-3, param_persistence_threshold=64)
+    losses = []
+    for ids in batches(steps):
+        opt.zero_grad()
+        loss = lm_loss(model, ids[rank::world_size])
+        loss.backward()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        global_loss = loss.detach().clone()
+        torch.distributed.all_reduce(global_loss)
+        losses.append(global_loss.item() / world_size)
+    params = {name: t.clone() for name, t in rlhfz.iter_full_params(model, 8192)}
+    return {"losses": losses, "params": params, "peak": opt.stage3.peak_bytes,
+            "state_dict": opt.state_dict()}
+
+
+def one_rank_skips(rank, world_size):
+    """Rank 1 never enters gather_for_generation: rank 0 must fail, not hang."""
+    os.environ["RLHFZ_COLLECTIVE_TIMEOUT"] = "5"
+    model = tiny_lm("gpt2")
+    rlhfz.ZeroAdamW(model, stage=3, param_persistence_threshold=64)
+    if rank == 1:
+        return "skipped"
+    try:
+        with rlhfz.gather_for_generation(model):
+            pass
+    except Exception as error:        # noqa: BLE001 (the error is the result)
+        return f"{type(error).__name__}: {error}"
+    return "no error"
