@@ -6,7 +6,7 @@ import warnings
 import torch
 
 LAYERS, WIDTH, HEADS, VOCAB = 12, 128, 4, 512
-PROMPT_LEN, NEW_TOKENS, BATCH = 16, 32, 4
+PROMPT_LEN, NEW_TOKENS, BATCH = 16, 64, 16
 
 
 def make_model():

@@ -3,7 +3,7 @@ gathered param bytes per rank for gather_for_generation's modes (whole
 model, unit by unit, and budgets of 25, 50 and 75% of the model), against
 the unsharded model run in the same processes in turn with them; and
 iter_full_params throughput. A 12-block GPT-2 built from a config, greedy,
-32 new tokens for a batch of 4; every mode's tokens are checked equal to the
+64 new tokens for a batch of 16 (a rollout); every mode's tokens are checked equal to the
 unsharded model's. Both ranks share the machine's 2 cores, one thread each.
 
 Run: python -m pytest benchmarks/test_bench_generation.py
@@ -14,7 +14,7 @@ import generation_workers
 from rlhfz.launch import run_ranks
 
 pytest.importorskip("transformers")
-ROUNDS = 3
+ROUNDS = 5
 
 
 def test_generation_modes_2_ranks(benchmark):

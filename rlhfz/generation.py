@@ -66,8 +66,7 @@ def gather_for_generation(model, enabled: bool = True, budget_bytes: int | None 
             held.append(True)
         elif budget_bytes is not None:
             stage3.keep |= stage3.units_within(budget_bytes)
-            for index in sorted(stage3.keep - saved_keep):
-                stage3.gather(index)
+            stage3.gather_many(sorted(stage3.keep - saved_keep))
         yield model
     finally:
         if held:
@@ -107,8 +106,7 @@ def iter_full_params(model, bucket_bytes: int = 256 << 20):
             last = position == len(indices) - 1
             if size < bucket_bytes and not last:
                 continue
-            for i in batch:
-                stage3.gather(i)
+            stage3.gather_many(batch)
             with torch.no_grad():
                 for i in batch:
                     for bucket in stage3.units[i][1]:

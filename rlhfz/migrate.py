@@ -184,9 +184,17 @@ def move_buckets(opt, kinds, allocate, to_home: bool = False, to: str = "cpu",
     _report_held(olds, opt)
 
 
+def _refuse_while_gathered(opt) -> None:
+    stage3 = getattr(opt, "stage3", None)
+    if stage3 is not None and (stage3.suspended or stage3.keep or stage3.gathered_bytes()):
+        raise RuntimeError("the model's params are gathered (a gather_for_generation context is "
+                           "open, or a forward is running): offload after it closes")
+
+
 def offload_optimizer(opt, what=KINDS, to="cpu", path=None, non_blocking=False) -> None:
     kinds = check_what(what)
     check_target(to, path)
+    _refuse_while_gathered(opt)
     if opt.reducer is not None:
         opt.reducer.flush()       # no collective may still read or write grads
     allocate = _allocator(to, path, opt.pin_memory)

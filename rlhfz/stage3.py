@@ -166,10 +166,21 @@ class Stage3:
             self.release(index)
 
     def hold_all(self) -> None:
-        """Every unit whole until unhold_all (the hooks stand aside)."""
-        for index in range(len(self.units)):
-            self.gather(index)
+        """Every unit whole until unhold_all (the hooks stand aside). All
+        gathers are issued before the first is waited for, so they stream."""
+        self.gather_many(range(len(self.units)))
         self.suspended += 1
+
+    def gather_many(self, indices) -> None:
+        indices = list(indices)
+        prefetching, self.prefetching = self.prefetching, True
+        try:
+            for index in indices:
+                self.prefetch(index)
+        finally:
+            self.prefetching = prefetching
+        for index in indices:
+            self.gather(index)
 
     def unhold_all(self) -> None:
         self.suspended -= 1
