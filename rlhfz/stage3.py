@@ -37,8 +37,7 @@ def _unit_modules(model: torch.nn.Module, wrap) -> list[torch.nn.Module]:
         candidates = [child for m in model.modules() if isinstance(m, torch.nn.ModuleList)
                       for child in m.children()]
         if not candidates:
-            candidates = [child for child in model.children()
-                          if any(True for _ in child.parameters())]
+            candidates = _by_size(model)
     units, inside = [], set()
     for module in candidates:                    # nested candidates join their outer unit
         if id(module) in inside:
@@ -46,6 +45,29 @@ def _unit_modules(model: torch.nn.Module, wrap) -> list[torch.nn.Module]:
         units.append(module)
         inside.update(id(m) for m in module.modules())
     return units
+
+
+def _numel(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _by_size(model: torch.nn.Module, parts: int = 8) -> list[torch.nn.Module]:
+    """Without blocks to follow: the largest modules of at most 1/parts of
+    the model each, splitting bigger ones into their children."""
+    limit = max(1, _numel(model) // parts)
+    chosen = []
+
+    def visit(module):
+        for child in module.children():
+            size = _numel(child)
+            if size == 0:
+                continue
+            if size <= limit or not any(True for _ in child.children()):
+                chosen.append(child)
+            else:
+                visit(child)
+    visit(model)
+    return chosen
 
 
 def assign_params(model: torch.nn.Module, wrap, threshold: int, params: list):

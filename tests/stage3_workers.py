@@ -146,26 +146,34 @@ def trl_twin(model):
     return out
 
 
-def train_parity(rank, world_size, kind, steps, checkpointing):
+def train_parity(rank, world_size, kind, steps, checkpointing, options=None):
     """Stage 3 training; every rank takes its rows of each global batch.
     Returns the losses and the whole params (iter_full_params)."""
     model = tiny_lm(kind)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    opt = rlhfz.ZeroAdamW(model, stage=3, lr=1e-3, param_persistence_threshold=64)
+    opt = rlhfz.ZeroAdamW(model, stage=3, lr=1e-3, param_persistence_threshold=64,
+                          **(options or {}))
     losses = []
-    for ids in batches(steps):
+    refused = None
+    for step, ids in enumerate(batches(steps)):
         opt.zero_grad()
         loss = lm_loss(model, ids[rank::world_size])
         loss.backward()
         opt.clip_grad_norm_(1.0)
         opt.step()
+        if options and step == 1:
+            with rlhfz.gather_for_generation(model):
+                try:
+                    opt.offload()
+                except RuntimeError as error:
+                    refused = str(error)
         global_loss = loss.detach().clone()
         torch.distributed.all_reduce(global_loss)
         losses.append(global_loss.item() / world_size)
     params = {name: t.clone() for name, t in rlhfz.iter_full_params(model, 8192)}
     return {"losses": losses, "params": params, "peak": opt.stage3.peak_bytes,
-            "state_dict": opt.state_dict()}
+            "state_dict": opt.state_dict(), "refused": refused}
 
 
 def one_rank_skips(rank, world_size):

@@ -26,7 +26,7 @@ def _reference_training(kind, steps, checkpointing=False):
     return losses, dict(model.named_parameters()), opt.state_dict()
 
 
-@pytest.mark.parametrize("kind, world_size", [("gpt2", 2), ("llama", 3)])
+@pytest.mark.parametrize("kind, world_size", [("gpt2", 2), ("gpt2", 3), ("llama", 2), ("llama", 3)])
 def test_generation_is_identical_in_every_mode(kind, world_size):
     reference = workers.greedy(workers.tiny_lm(kind).eval())
     results = run_ranks(workers.generation_modes, world_size, kind)
@@ -49,13 +49,16 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-@pytest.mark.parametrize("kind, world_size, checkpointing", [
-    ("gpt2", 2, False), ("llama", 3, True)])
-def test_training_matches_single_process_adamw(kind, world_size, checkpointing):
-    """50 steps, tied embeddings, clipping; Llama with gradient checkpointing."""
+@pytest.mark.parametrize("kind, world_size, checkpointing, options", [
+    ("gpt2", 2, False, None), ("llama", 3, True, None),
+    ("gpt2", 2, False, {"offload": "cpu", "offload_ratio": 0.5})],
+    ids=["gpt2-2", "llama-3-checkpointing", "gpt2-2-host-state"])
+def test_training_matches_single_process_adamw(kind, world_size, checkpointing, options):
+    """50 steps, tied embeddings, clipping; Llama with gradient checkpointing;
+    and with half of each shard's optimizer state on the host."""
     steps = 50
     ref_losses, ref_params, _ = _reference_training(kind, steps, checkpointing)
-    results = run_ranks(workers.train_parity, world_size, kind, steps, checkpointing)
+    results = run_ranks(workers.train_parity, world_size, kind, steps, checkpointing, options)
     for result in results:
         torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses),
                                    rtol=1e-5, atol=0)
@@ -71,6 +74,8 @@ def test_training_matches_single_process_adamw(kind, world_size, checkpointing):
             assert _relative(result["params"][name], ref_params[name].detach()) <= 1e-3, name
     for name, value in results[1]["params"].items():
         assert torch.equal(value, results[0]["params"][name])
+    if options:
+        assert all("offload after it closes" in r["refused"] for r in results)
 
 
 def test_exceptions_inside_each_mode_leave_the_model_working():
@@ -110,3 +115,37 @@ def test_a_rank_that_never_enters_makes_the_others_fail():
     results = run_ranks(workers.one_rank_skips, 2)
     assert results[1] == "skipped"
     assert results[0] != "no error" and "gather_for_generation" in results[0]
+
+
+class _Blocks(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 16)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, 32),
+                                                              torch.nn.Linear(32, 16))
+                                          for _ in range(3))
+        self.head = torch.nn.Linear(16, 50, bias=False)
+        self.head.weight = self.embed.weight              # tied
+
+
+def test_units_follow_blocks_sizes_or_classes():
+    from rlhfz.stage3 import assign_params
+    model = _Blocks()
+    params = list(model.parameters())
+    units, persistent = assign_params(model, None, 40, params)
+    modules = [m for m, _ in units]
+    assert modules == list(model.blocks) + [model]           # the root unit last
+    root_params = dict(units)[model]
+    assert [id(p) for p in root_params] == [id(model.embed.weight)]   # tied: one param, root
+    assert all(p.numel() < 40 for p in persistent) and len(persistent) == 6   # the biases
+    seen = [id(p) for _, ps in units for p in ps] + [id(p) for p in persistent]
+    assert sorted(seen) == sorted(id(p) for p in params)      # every param once
+    # by class
+    units, _ = assign_params(model, [torch.nn.Linear], 0, params)
+    assert sum(isinstance(m, torch.nn.Linear) for m, _ in units) == 6
+    # by size, without blocks: no unit over an eighth of the model unless it cannot split
+    mlp = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(10)])
+    units, _ = assign_params(mlp, None, 0, list(mlp.parameters()))
+    assert [m for m, _ in units] == list(mlp)
+    with pytest.raises(ValueError, match="wrap must be a list of nn.Module classes"):
+        assign_params(mlp, ["Linear"], 0, list(mlp.parameters()))
