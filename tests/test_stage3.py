@@ -26,7 +26,8 @@ def _reference_training(kind, steps, checkpointing=False):
     return losses, dict(model.named_parameters()), opt.state_dict()
 
 
-@pytest.mark.parametrize("kind, world_size", [("gpt2", 2), ("gpt2", 3), ("llama", 2), ("llama", 3)])
+@pytest.mark.parametrize("kind, world_size", [("gpt2", 2), ("gpt2", 3), ("llama", 2),
+                                              ("llama", 3)])
 def test_generation_is_identical_in_every_mode(kind, world_size):
     reference = workers.greedy(workers.tiny_lm(kind).eval())
     results = run_ranks(workers.generation_modes, world_size, kind)
