@@ -7,7 +7,10 @@ PIP := $(PYTHON) -m pip
 # torch is pinned: the CPU wheel; an unpinned torch pulls a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 # nvidia-nccl-cu13: the NCCL library the native communicator loads (its tests run without a GPU)
-DEPS := $(TORCH_PIN) numpy pytest pytest-benchmark hypothesis "setuptools>=64" wheel nvidia-nccl-cu13
+# transformers, trl: stage 3 is tested on GPT-2 and Llama models built from configs, and the
+# TRL twin against TRL's own signature
+DEPS := $(TORCH_PIN) numpy pytest pytest-benchmark hypothesis "setuptools>=64" wheel \
+	nvidia-nccl-cu13 transformers trl==1.13.0
 
 .PHONY: deps install demo test bench gpu-check clean
 
