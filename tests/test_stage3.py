@@ -150,3 +150,25 @@ def test_units_follow_blocks_sizes_or_classes():
     assert [m for m, _ in units] == list(mlp)
     with pytest.raises(ValueError, match="wrap must be a list of nn.Module classes"):
         assign_params(mlp, ["Linear"], 0, list(mlp.parameters()))
+
+
+def test_gather_for_generation_is_a_no_op_below_stage_3_and_checks_its_arguments():
+    import rlhfz
+    model = _Blocks()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for stage in (0, 2, 3):               # one process: nothing is sharded
+        rlhfz.ZeroAdamW(list(model.parameters()) if stage < 3 else model, stage=stage)
+        for options in (dict(enabled=True), dict(enabled=False), dict(budget_bytes=10)):
+            with rlhfz.gather_for_generation(model, **options) as inside:
+                assert inside is model
+        names = [name for name, _ in rlhfz.iter_full_params(model, 1024)]
+        assert names == [name for name, _ in model.named_parameters()]
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    for bad, error in ((dict(enabled="yes"), TypeError), (dict(budget_bytes=-1), ValueError),
+                       (dict(budget_bytes=1.5), ValueError)):
+        with pytest.raises(error):
+            with rlhfz.gather_for_generation(model, **bad):
+                pass
+    with pytest.raises(ValueError, match="bucket_bytes must be an int > 0"):
+        list(rlhfz.iter_full_params(model, 0))
