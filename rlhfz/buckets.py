@@ -63,7 +63,7 @@ class Bucket:
         self.sharded_params = sharded_params
         self.param_base = 0 if sharded_params else self.shard_start
         self.param_buffer = alloc((shard if sharded_params else n) * itemsize)
-        self.gathered = None          # stage 3: (Buffer, flat tensor) while gathered
+        self.gathered = None          # stage 3: (bytes, flat tensor) while gathered
         # Stage 2 keeps no full-size grads: the reducer stages them briefly.
         self.full_grads = full_grads
         self.grad_buffer = alloc(n * itemsize) if full_grads else None
@@ -364,10 +364,12 @@ class Bucket:
         returns the collective's work with async_op."""
         if self.gathered is not None:
             return None
-        buffer = self.backend.buffer(self.layout.padded_numel * self.itemsize, zero=False)
-        flat = torch_view(buffer.view(self.dtype_name))
+        # Transient memory, from torch's allocator: on a GPU its cache hands
+        # the same blocks back gather after gather, in stream order, where
+        # cudaMalloc and cudaFree would synchronize the device every time.
+        flat = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.backend.device)
         work = comm.all_gather(flat, self.flat_param_shard, async_op=async_op)
-        self.gathered = (buffer, flat)
+        self.gathered = (flat.numel() * self.itemsize, flat)
         with torch.no_grad():
             for p, slot in zip(self.params, self.layout.slots):
                 p.data = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
@@ -383,7 +385,7 @@ class Bucket:
         self.gathered = None
 
     def gathered_bytes(self) -> int:
-        return self.gathered[0].nbytes if self.gathered is not None else 0
+        return self.gathered[0] if self.gathered is not None else 0
 
     def detach_hooks(self) -> None:
         for handle in self._hook_handles:
