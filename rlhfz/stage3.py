@@ -121,6 +121,9 @@ class Stage3:
         self.prefetching = True
         self.peak_bytes = 0
         self._pending = {}                    # unit -> in-flight gather works
+        self._whole: set[int] = set()         # units with gathered params (or in flight)
+        self._gathered = 0                    # their bytes
+        self._unit_of: dict[int, int] = {}    # id(bucket) -> unit index
         ref = weakref.ref(self)
         if root is not None:
             self.handles.append(root.register_forward_pre_hook(_forward_starts(ref)))
@@ -132,6 +135,8 @@ class Stage3:
         for module, buckets in units:
             index = len(self.units)
             self.units.append((module, buckets))
+            for bucket in buckets:
+                self._unit_of[id(bucket)] = index
             sites = [module]
             if module is self.root:
                 mine = {id(p) for b in buckets for p in b.params}
@@ -144,13 +149,21 @@ class Stage3:
     # ---- gathering --------------------------------------------------------------------
 
     def gathered_bytes(self) -> int:
-        return sum(b.gathered_bytes() for _, buckets in self.units for b in buckets)
+        return self._gathered
 
     def unit_bytes(self, index: int) -> int:
         return sum(b.layout.padded_numel * b.itemsize for b in self.units[index][1])
 
-    def _note_peak(self) -> None:
-        self.peak_bytes = max(self.peak_bytes, self.gathered_bytes())
+    def _start(self, index: int, async_op: bool) -> list:
+        """Gathers a unit's buckets that are not whole; their works."""
+        works = []
+        for bucket in self.units[index][1]:
+            if bucket.gathered is None:
+                works.append(bucket.gather(self.comm, async_op=async_op))
+                self._gathered += bucket.gathered_bytes()
+        self._whole.add(index)
+        self.peak_bytes = max(self.peak_bytes, self._gathered)
+        return works
 
     def gather(self, index: int) -> None:
         work = self._pending.pop(index, None)
@@ -159,9 +172,7 @@ class Stage3:
                 if w is not None:
                     w.wait()
         else:
-            for bucket in self.units[index][1]:
-                bucket.gather(self.comm)
-        self._note_peak()
+            self._start(index, async_op=False)
 
     def prefetch(self, index: int | None) -> None:
         """Starts gathering a unit (in flight while the current one runs)."""
@@ -169,9 +180,7 @@ class Stage3:
             return
         if all(b.gathered is not None for b in self.units[index][1]):
             return
-        self._pending[index] = [b.gather(self.comm, async_op=True)
-                                for b in self.units[index][1]]
-        self._note_peak()
+        self._pending[index] = self._start(index, async_op=True)
 
     def release(self, index: int) -> None:
         if self.suspended or index in self.keep:
@@ -181,10 +190,12 @@ class Stage3:
             if w is not None:
                 w.wait()
         for bucket in self.units[index][1]:
+            self._gathered -= bucket.gathered_bytes()
             bucket.release()
+        self._whole.discard(index)
 
     def release_all(self) -> None:
-        for index in range(len(self.units)):
+        for index in sorted(self._whole):
             self.release(index)
 
     def hold_all(self) -> None:
@@ -238,11 +249,9 @@ class Stage3:
     def on_staged(self, bucket) -> None:
         """The reducer has staged every grad of a bucket: when all of its
         unit's buckets are, the unit's params may go."""
-        for index, (_, buckets) in enumerate(self.units):
-            if any(b is bucket for b in buckets):
-                if all(b.arrived_now >= b.expected for b in buckets):
-                    self.release(index)
-                return
+        index = self._unit_of.get(id(bucket))
+        if index is not None and all(b.arrived_now >= b.expected for b in self.units[index][1]):
+            self.release(index)
 
 
 def _forward_starts(ref):
