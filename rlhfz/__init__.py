@@ -19,6 +19,11 @@ _LAZY = {
     "offloaded": ("rlhfz.migrate", "offloaded"),
     "gather_for_generation": ("rlhfz.generation", "gather_for_generation"),
     "iter_full_params": ("rlhfz.generation", "iter_full_params"),
+    "save_checkpoint": ("rlhfz.checkpoint", "save_checkpoint"),
+    "load_checkpoint": ("rlhfz.checkpoint", "load_checkpoint"),
+    "save_consolidated": ("rlhfz.checkpoint", "save_consolidated"),
+    "load_consolidated": ("rlhfz.checkpoint", "load_consolidated"),
+    "CheckpointError": ("rlhfz.checkpoint", "CheckpointError"),
 }
 
 
@@ -70,5 +75,6 @@ def __dir__():
 
 
 __all__ = ["ZeroAdamW", "NonFiniteGradError", "offload", "reload", "offloaded",
-           "gather_for_generation", "iter_full_params", "build_info", "set_num_threads",
+           "gather_for_generation", "iter_full_params", "save_checkpoint", "load_checkpoint",
+           "save_consolidated", "load_consolidated", "CheckpointError", "build_info", "set_num_threads",
            "get_num_threads", "__version__"]

@@ -230,6 +230,32 @@ class Bucket:
         offset = self.layout.slots[index].offset - self.shard_start
         return full.reshape(-1)[a - offset:b - offset]
 
+    def param_shard_part(self, index: int) -> torch.Tensor:
+        """This rank's part of one param's values, flat, from the param shard
+        (which every stage keeps, gathered or not)."""
+        a, b = self.local[index]
+        return self.flat_param_shard[a:b]
+
+    def write_param(self, index: int, full: torch.Tensor) -> None:
+        """Sets one param's values from a whole, param-shaped tensor: all of
+        it, or under stage 3 this rank's part. sync_master() follows."""
+        with torch.no_grad():
+            if not self.sharded_params:
+                self.param_views[index].copy_(full)
+                return
+            a, b = self.local[index]
+            offset = self.layout.slots[index].offset - self.shard_start
+            self.flat_param_shard[a:b].copy_(full.reshape(-1)[a - offset:b - offset])
+
+    def sync_master(self) -> None:
+        """fp32 master weights (device and host parts) from the params, after
+        the params were set from outside."""
+        if self.master_buffer is not None:
+            self.backend.cast_(self.master_kview, self.param_buffer.view(
+                self.dtype_name, self.param_base, (self.split,)))
+        self.pull_host_part()
+        self.refresh_stitched()
+
     def _state_views(self, device_part: torch.Tensor, host_part) -> list[torch.Tensor]:
         views = []
         for i, (a, b) in enumerate(self.local):

@@ -171,6 +171,16 @@ class Communicator:
             f"{theirs[1]!r} (its call #{theirs[2]}); every rank must make the same "
             f"collective calls in the same order")
 
+    def exchange(self, value, call: str) -> list:
+        """Every rank's small picklable value, in rank order, over the control
+        group under rlhfz's timeout (checkpoint bookkeeping, error status)."""
+        everyone = [None] * self.world_size
+        try:
+            dist.all_gather_object(everyone, value, group=self._control)
+        except RuntimeError as error:
+            raise self._absent(call, error) from error
+        return everyone
+
     def _absent(self, call: str, error: Exception) -> CollectiveMismatchError:
         return CollectiveMismatchError(
             f"rank {self.rank} entered {call} (its collective call #{self._calls}) but not "

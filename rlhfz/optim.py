@@ -634,11 +634,9 @@ class ZeroAdamW(Optimizer):
         size (a list, in any order); a collective across processes."""
         self.load_state_dict(consolidate_sharded(shards))
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a torch.optim.AdamW-format state dict (from torch or from rlhfz).
-
-        Everything is checked before anything is written: on any mismatch this
-        raises and the optimizer is unchanged."""
+    def _checked_state_dict(self, state_dict: dict[str, Any]) -> dict:
+        """Checks a torch.optim.AdamW-format state dict against this optimizer
+        and returns its param index -> param map; raises ValueError."""
         if not isinstance(state_dict, dict) or "state" not in state_dict \
                 or "param_groups" not in state_dict:
             raise ValueError("a state dict needs 'state' and 'param_groups' entries")
@@ -648,6 +646,8 @@ class ZeroAdamW(Optimizer):
             raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, "
                              f"but the optimizer has {len(self.param_groups)}")
         index_to_param = {}
+        shapes = {id(p): slot.shape for b in self._buckets
+                  for p, slot in zip(b.params, b.layout.slots)}
         for g, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError(f"loaded state dict contains a parameter group that doesn't "
@@ -663,8 +663,19 @@ class ZeroAdamW(Optimizer):
             if key not in index_to_param:
                 raise ValueError(f"state for parameter {key!r} matches no parameter of the "
                                  f"optimizer")
-            self._check_state_entry(key, entry, index_to_param[key])
+            param = index_to_param[key]
+            self._check_state_entry(key, entry, shapes.get(id(param), tuple(param.shape)))
 
+        return index_to_param
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a torch.optim.AdamW-format state dict (from torch or from rlhfz).
+
+        Everything is checked before anything is written: on any mismatch this
+        raises and the optimizer is unchanged."""
+        index_to_param = self._checked_state_dict(state_dict)
+        saved_groups = state_dict["param_groups"]
+        saved_state = state_dict["state"]
         if self.comm is not None:
             self.comm.agree("ZeroAdamW.load_state_dict",
                             {"buckets": [len(b.params) for b in self._buckets]})
@@ -684,8 +695,7 @@ class ZeroAdamW(Optimizer):
                     bucket.write_state("exp_avg_sq", i, zeros)
                     bucket.steps[i] = 0.0
                     if bucket.master_views is not None:
-                        bucket.write_state("master", i,
-                                           bucket.local_part(i, bucket.param_views[i]).float())
+                        bucket.write_state("master", i, bucket.param_shard_part(i).float())
                     self._unregister_state(bucket, i)
                     continue
                 bucket.write_state("exp_avg", i, bucket.local_part(i, entry["exp_avg"]))
@@ -693,15 +703,16 @@ class ZeroAdamW(Optimizer):
                 bucket.steps[i] = float(entry["step"])
                 if bucket.master_views is not None:
                     master = entry.get("master_param")
-                    bucket.write_state("master", i, bucket.local_part(
-                        i, master if master is not None else bucket.param_views[i]).float())
+                    bucket.write_state("master", i, (
+                        bucket.local_part(i, master) if master is not None
+                        else bucket.param_shard_part(i)).float())
                 self._register_state(bucket, i)
             # fp32 params are their own master: the host part's copy follows them
             bucket.pull_host_part(master=bucket.master_views is None)
         self._finite_versions = None
 
     @staticmethod
-    def _check_state_entry(key, entry, param: torch.Tensor) -> None:
+    def _check_state_entry(key, entry, shape: tuple) -> None:
         if not isinstance(entry, dict):
             raise ValueError(f"state for parameter {key!r} is not a dict")
         for name in ("step", "exp_avg", "exp_avg_sq"):
@@ -720,9 +731,9 @@ class ZeroAdamW(Optimizer):
             value = entry[name]
             if not isinstance(value, torch.Tensor):
                 raise ValueError(f"state[{key!r}][{name!r}] must be a tensor")
-            if tuple(value.shape) != tuple(param.shape):
+            if tuple(value.shape) != tuple(shape):
                 raise ValueError(f"state[{key!r}][{name!r}] has shape {tuple(value.shape)} but "
-                                 f"the parameter has shape {tuple(param.shape)}: the state dict "
+                                 f"the parameter has shape {tuple(shape)}: the state dict "
                                  f"is from another model")
             if not value.is_floating_point():
                 raise ValueError(f"state[{key!r}][{name!r}] must be floating point, "

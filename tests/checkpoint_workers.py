@@ -1,0 +1,101 @@
+"""Per-rank bodies of the checkpoint tests (importable by spawned ranks).
+
+Every body trains on data derived only from the step number, so a run that
+is saved and resumed can be compared with one that never stopped."""
+import copy
+
+import torch
+
+import rlhfz
+from stage3_workers import batches, lm_loss, tiny_lm
+
+
+def mlp(dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(37, 61), torch.nn.GELU(),
+                                torch.nn.LayerNorm(61), torch.nn.Linear(61, 29))
+    model.register_buffer("calls", torch.zeros(3))
+    return model.to(dtype)
+
+
+def build(kind, stage, dtype=torch.float32, **options):
+    if kind == "mlp":
+        model = mlp(dtype)
+    else:
+        model = tiny_lm(kind).to(dtype)
+    opt = rlhfz.ZeroAdamW(model, lr=3e-3, weight_decay=0.1, stage=stage,
+                          param_persistence_threshold=64, **options)
+    return model, opt
+
+
+def train(model, opt, kind, rank, world_size, first, last):
+    for step in range(first, last):
+        opt.zero_grad()
+        if kind == "mlp":
+            gen = torch.Generator().manual_seed(step)
+            x = torch.randn(12, 37, generator=gen).to(next(model.parameters()).dtype)
+            loss = model(x[rank::world_size]).float().pow(2).mean()
+        else:
+            loss = lm_loss(model, batches(1, seed=step)[0][rank::world_size])
+        loss.backward()
+        if hasattr(opt, "clip_grad_norm_"):
+            opt.clip_grad_norm_(1.0)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.add_(1)
+
+
+def whole(model, opt):
+    """The full params (by name) and the torch-format optimizer state."""
+    params = {name: t.clone() for name, t in rlhfz.iter_full_params(model, 1 << 14)}
+    return {"params": params, "optimizer": copy.deepcopy(opt.state_dict()),
+            "buffers": {n: b.clone() for n, b in model.named_buffers()}}
+
+
+def save_and_continue(rank, world_size, path, kind, stage, dtype, options, steps=3):
+    """Trains, saves, trains on: what was saved, and where it ended."""
+    model, opt = build(kind, stage, dtype, **options)
+    train(model, opt, kind, rank, world_size, 0, steps)
+    rlhfz.save_checkpoint(path, model, opt, client_state={"step": steps})
+    saved = whole(model, opt)
+    train(model, opt, kind, rank, world_size, steps, 2 * steps)
+    return {"saved": saved, "final": whole(model, opt)}
+
+
+def load_and_continue(rank, world_size, path, kind, stage, dtype, options, steps=3):
+    """Loads into a fresh model: what it holds then, and where it ends."""
+    model, opt = build(kind, stage, dtype, **options)
+    client = rlhfz.load_checkpoint(path, model, opt)
+    loaded = whole(model, opt)
+    train(model, opt, kind, rank, world_size, client["step"], client["step"] + steps)
+    return {"loaded": loaded, "final": whole(model, opt), "client": client}
+
+
+def one_rank_damaged(rank, world_size, path, kind, stage, dtype):
+    """Rank 1 sees a damaged file (its own copy of the index points
+    elsewhere): every rank raises, and every rank's state is unchanged."""
+    model, opt = build(kind, stage, dtype)
+    train(model, opt, kind, rank, world_size, 0, 2)
+    before = whole(model, opt)
+    target = path
+    if rank == 1:
+        import os
+        import shutil
+        target = path + "-rank1"
+        shutil.copytree(path, target)
+        generation = next(e for e in os.listdir(target) if e.startswith("g-"))
+        victim = os.path.join(target, generation, "rank-00000-of-00002.safetensors")
+        with open(victim, "r+b") as f:
+            f.seek(os.path.getsize(victim) - 5)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0x40]))
+    try:
+        rlhfz.load_checkpoint(target, model, opt)
+        error = None
+    except rlhfz.CheckpointError as caught:
+        error = str(caught)
+    return {"error": error, "before": before, "after": whole(model, opt)}
