@@ -230,6 +230,27 @@ class Bucket:
         offset = self.layout.slots[index].offset - self.shard_start
         return full.reshape(-1)[a - offset:b - offset]
 
+    def reattach_moved(self) -> None:
+        """Params whose .data something replaced (module.to() copies even to
+        the same device in some torch versions) become views of the bucket
+        again, keeping the values they hold now. A param cast or moved to
+        another dtype or device cannot: that raises."""
+        if self.param_views is None:
+            return
+        for p, view in zip(self.params, self.param_views):
+            if p.data_ptr() == view.data_ptr() or p.numel() == 0 and view.numel() == 0:
+                continue
+            if p.dtype != view.dtype or p.device != view.device or p.shape != view.shape:
+                raise RuntimeError(
+                    f"a param of shape {tuple(view.shape)} was moved or cast to {p.dtype} on "
+                    f"{p.device} outside rlhfz (model.to() / .cuda() / .half() after the "
+                    f"optimizer was built); its memory is the optimizer's {view.dtype} on "
+                    f"{view.device}: build the optimizer after placing the model, or use "
+                    f"offload() / reload() to move it")
+            with torch.no_grad():
+                view.copy_(p.detach())
+            p.data = view
+
     def param_shard_part(self, index: int) -> torch.Tensor:
         """This rank's part of one param's values, flat, from the param shard
         (which every stage keeps, gathered or not)."""

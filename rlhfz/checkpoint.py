@@ -204,6 +204,21 @@ def _commit(path: str, tmp: str, token: str, index: dict) -> None:
             os.unlink(doomed)
 
 
+def _discard(path: str, token: str) -> None:
+    """What a failed commit leaves, unless the index already names it."""
+    shutil.rmtree(os.path.join(path, f".tmp-{token}"), ignore_errors=True)
+    staged = os.path.join(path, f".index-{token}.json")
+    if os.path.exists(staged):
+        os.unlink(staged)
+    try:
+        with open(os.path.join(path, INDEX), "rb") as f:
+            current = json.loads(f.read(MAX_INDEX_BYTES)).get("generation")
+    except (OSError, ValueError, AttributeError):
+        current = None
+    if current != f"g-{token}":
+        shutil.rmtree(os.path.join(path, f"g-{token}"), ignore_errors=True)
+
+
 def _all_ok(optimizer, error: BaseException | None, call: str, what: str) -> None:
     """Every rank learns whether every rank succeeded; all raise if one failed."""
     message = None if error is None else f"{type(error).__name__}: {error}"
@@ -248,6 +263,9 @@ def save_checkpoint(path, model, optimizer, client_state: dict | None = None) ->
         index["client_state"] = json.loads(client_text)
         if os.path.exists(path) and not os.path.isdir(path):
             raise CheckpointError(f"{path} exists and is not a directory")
+        if optimizer.rank == 0 and not os.path.isdir(path):
+            os.makedirs(path, exist_ok=True)
+            _fsync_dir(os.path.dirname(os.path.abspath(path)))
         os.makedirs(tmp, exist_ok=True)
         info = _write_rank_file(tmp, optimizer, _extras(model, optimizer))
     except Exception as caught:          # every rank must hear of it before raising
@@ -266,7 +284,7 @@ def save_checkpoint(path, model, optimizer, client_state: dict | None = None) ->
             index["files"] = infos
             _commit(path, tmp, token, index)
         except Exception as caught:
-            shutil.rmtree(tmp, ignore_errors=True)
+            _discard(path, token)
             error = caught
     _all_ok(optimizer, error, "save_checkpoint", "commit the checkpoint")
 
@@ -538,6 +556,9 @@ def load_checkpoint(path, model, optimizer=None):
             load_consolidated(path, model, optimizer)
             return None
         raise CheckpointError(f"{path}: no checkpoint here (neither {INDEX} nor {MODEL_FILE})")
+    if optimizer is None:
+        raise TypeError(f"{path} is a sharded checkpoint, laid out by the optimizer's buckets: "
+                        f"pass the ZeroAdamW too (load_checkpoint(path, model, optimizer))")
     _check_optimizer(optimizer)
     _refuse_while_gathered(optimizer)
     comm = optimizer.comm

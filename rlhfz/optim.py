@@ -9,6 +9,7 @@ into torch.optim.AdamW and back.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -25,6 +26,13 @@ _KINDS = ("params", "grads", "master", "exp_avg", "exp_avg_sq")
 
 
 SHARDED_FORMAT = "rlhfz.sharded_optimizer_state.v1"
+
+_LIVE = weakref.WeakSet()
+
+
+def live_optimizers() -> list:
+    """Every ZeroAdamW that still exists (integrations find a model's owner)."""
+    return list(_LIVE)
 
 
 def consolidate_sharded(shards: list[dict[str, Any]]) -> dict[str, Any]:
@@ -225,6 +233,7 @@ class ZeroAdamW(Optimizer):
                         maximize=maximize, foreach=foreach, capturable=False,
                         differentiable=False, fused=fused, decoupled_weight_decay=True)
         super().__init__(params, defaults)
+        _LIVE.add(self)
 
     def _host_alloc(self, nbytes: int):
         from .migrate import host_buffer
@@ -397,6 +406,8 @@ class ZeroAdamW(Optimizer):
             raise RuntimeError(f"{call}() needs the optimizer's memory where it trains, but "
                                f"{', '.join(sorted(self._offloaded))} are offloaded: call "
                                f"reload() first")
+        for bucket in self._buckets:
+            bucket.reattach_moved()
         if self.reducer is not None:
             self.reducer.finish()
             presence = [list(bucket.arrived) for bucket in self._buckets]
@@ -485,8 +496,44 @@ class ZeroAdamW(Optimizer):
         return dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=float(group["eps"]),
                     weight_decay=float(group["weight_decay"]), maximize=bool(group["maximize"]))
 
+    # torch.amp.GradScaler hands itself to step() (grad_scaler=), because
+    # only the optimizer knows where sharded grads are: it unscales them
+    # after they are reduced and decides on Inf/NaN for every rank at once.
+    _step_supports_amp_scaling = True
+
+    def unscale_(self, grad_scaler) -> None:
+        """What grad_scaler.unscale_(optimizer) does, on the grads where
+        rlhfz keeps them (sharded stages leave param.grad empty): call it
+        instead before clipping. A collective across ranks."""
+        from torch.amp.grad_scaler import OptState
+        record = grad_scaler._per_optimizer_states[id(self)]
+        if record["stage"] is not OptState.READY:
+            raise RuntimeError("unscale_() has already been called on this optimizer since "
+                               "the last update(), or step() was")
+        self._scaler_unscale(self._plan("unscale_"), grad_scaler, reached=False)
+        record["stage"] = OptState.UNSCALED
+
+    def _scaler_unscale(self, plan, grad_scaler, reached=None) -> bool:
+        """Unscales the reduced grads for a GradScaler (unless its unscale_()
+        already reached them through param.grad) and records one verdict for
+        all ranks where its update() reads it; True when they are finite."""
+        record = grad_scaler._per_optimizer_states[id(self)]
+        if reached is None:
+            reached = record["stage"].name == "UNSCALED" and bool(record["found_inf_per_device"])
+        if not reached:
+            inv_scale = 1.0 / grad_scaler.get_scale()
+            for bucket, _, _, segments in plan:
+                for _, _, lo, hi in segments:
+                    self.backend.scale_(bucket.grad_shard_kview_range(lo, hi), inv_scale)
+        finite = math.isfinite(self._sumsq(plan))
+        flag = torch.tensor(0.0 if finite else 1.0, dtype=torch.float32,
+                            device=grad_scaler._scale.device)
+        record["found_inf_per_device"] = {flag.device: flag}
+        self._finite_versions = None
+        return finite
+
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, grad_scaler=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -495,6 +542,9 @@ class ZeroAdamW(Optimizer):
         # so a refused step leaves params and state exactly as they were.
         hparams = [self._group_hparams(group) for group in self.param_groups]
         plan = self._plan()
+        if grad_scaler is not None and not self._scaler_unscale(plan, grad_scaler):
+            self.skipped_steps += 1           # the scaler backs off; nothing changes
+            return loss
         if self.nonfinite is not None and not self._grads_finite(plan):
             self._finite_versions = None
             if self.nonfinite == "skip":

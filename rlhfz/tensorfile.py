@@ -302,9 +302,14 @@ class TensorFile:
         if pool is None:
             for job in jobs:
                 check(job)
-        else:
-            for future in [pool.submit(check, job) for job in jobs]:
+            return
+        futures = [pool.submit(check, job) for job in jobs]
+        try:
+            for future in futures:
                 future.result()
+        finally:
+            for future in futures:      # one bad chunk is enough: stop reading
+                future.cancel()
 
     def close(self) -> None:
         if getattr(self, "_fd", -1) >= 0:

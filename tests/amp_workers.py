@@ -1,0 +1,43 @@
+"""Per-rank bodies of the GradScaler tests (importable by spawned ranks)."""
+import warnings
+
+import torch
+
+import rlhfz
+
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.Tanh(), torch.nn.Linear(48, 4))
+
+
+def scaled_training(rank, world_size, stage, steps=24, inf_at=(5, 11), clip_every=2):
+    """Trains with torch.amp.GradScaler on the CPU; Inf losses at inf_at.
+    ZeroAdamW when stage is not None, else torch.optim.AdamW (the reference,
+    one process, whole batch)."""
+    warnings.simplefilter("ignore", FutureWarning)
+    m = model()
+    opt = (rlhfz.ZeroAdamW(m, lr=1e-2, stage=stage) if stage is not None
+           else torch.optim.AdamW(m.parameters(), lr=1e-2))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12, growth_interval=4)
+    scales = []
+    for step in range(steps):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+        opt.zero_grad()
+        loss = m(x[rank::world_size]).pow(2).mean()
+        if step in inf_at:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        if step % clip_every == 0:
+            if stage is None:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+            else:
+                opt.unscale_(scaler)
+                opt.clip_grad_norm_(0.5)
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    params = {n: t.clone() for n, t in rlhfz.iter_full_params(m)}
+    return {"params": params, "scales": scales,
+            "skipped": getattr(opt, "skipped_steps", None)}

@@ -1,0 +1,36 @@
+"""torch.amp.GradScaler drives ZeroAdamW as it drives torch.optim.AdamW:
+unscaling (also of sharded grads, which param.grad does not hold), Inf/NaN
+steps skipped on every rank at once, the same scale after every step."""
+import pytest
+import torch
+
+from rlhfz.launch import run_ranks
+
+import amp_workers as workers
+
+
+def _close(a, b):
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return workers.scaled_training(0, 1, None)
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_one_process_follows_torch(reference, stage):
+    out = workers.scaled_training(0, 1, stage)
+    assert out["scales"] == reference["scales"]
+    assert out["skipped"] == 2
+    _close(out["params"], reference["params"])
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_two_ranks_follow_torch(reference, stage):
+    results = run_ranks(workers.scaled_training, 2, stage)
+    for rank in (0, 1):
+        assert results[rank]["scales"] == reference["scales"]
+        assert results[rank]["skipped"] == 2
+        _close(results[rank]["params"], reference["params"])

@@ -1,0 +1,65 @@
+"""ZeroAdamW in TRL's GRPOTrainer and RLOOTrainer (trl 1.13), end to end on
+the CPU: one process at stage 2 against torch.optim.AdamW, and stage 3 on
+two gloo ranks under torchrun, gathering the whole model for generation or
+staying sharded."""
+import math
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+pytest.importorskip("datasets")
+
+import trl_workers as workers  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_one_process_stage2_matches_torch_adamw(kind):
+    zero = workers.train(kind, 3, "zero", stage=2)
+    plain = workers.train(kind, 3, "torch")
+    assert zero["wrapped"] == "Qwen2ForCausalLM" and zero["accelerator"] == "ZeroAccelerator"
+    assert len(zero["losses"]) == 3 and all(math.isfinite(x) for x in zero["losses"])
+    assert all(zero["changed"].values())
+    for name, value in plain["params"].items():
+        torch.testing.assert_close(zero["params"][name], value, atol=1e-5, rtol=0, msg=name)
+
+
+def test_sleeping_through_generation_trains_the_same():
+    awake = workers.train("grpo", 2, "zero", stage=2)
+    asleep = workers.train("grpo", 2, "zero", stage=2, sleep=True)
+    assert set(asleep["placement"].values()) == {"host"}
+    for name, value in awake["params"].items():
+        assert torch.equal(asleep["params"][name], value), name
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("kind,mode", [("grpo", "gather"), ("grpo", "unit"),
+                                       ("rloo", "gather"), ("rloo", "unit")])
+def test_two_ranks_stage3_under_torchrun(tmp_path, kind, mode):
+    out = tmp_path / "result.pt"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+               "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+               os.path.join(HERE, "trl_workers.py"), str(out), kind, "3", mode]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = torch.load(out, weights_only=False)
+    assert result["wrapped"] == "Qwen2ForCausalLM"       # not DistributedDataParallel
+    assert result["accelerator"] == "ZeroAccelerator"
+    assert len(result["losses"]) == 3 and all(math.isfinite(x) for x in result["losses"])
+    assert all(result["changed"].values()), [n for n, c in result["changed"].items() if not c]
+    assert set(result["placement"].values()) == {"host"}    # awake again after the last sleep

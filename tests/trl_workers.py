@@ -1,0 +1,102 @@
+"""GRPO and RLOO from TRL with ZeroAdamW, on a tiny Qwen2 built from a config
+and a tokenizer built from an in-memory vocabulary (nothing is downloaded).
+
+Run in the test process (one rank) or under torchrun (as a script):
+    torchrun --nproc_per_node 2 tests/trl_workers.py OUT.pt grpo 3 gather
+"""
+import os
+import sys
+import warnings
+
+import torch
+
+WORDS = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"w{i}" for i in range(60)]
+
+
+def tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    core = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(WORDS)},
+                                      unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>",
+                                   bos_token="<bos>", unk_token="<unk>", padding_side="left")
+
+
+def policy(seed=0):
+    import transformers
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=len(WORDS), hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64, pad_token_id=0, eos_token_id=1,
+                         bos_token_id=2, tie_word_embeddings=True)
+    return Qwen2ForCausalLM(config)
+
+
+def prompts(n=16):
+    from datasets import Dataset
+    return Dataset.from_dict({"prompt": [" ".join(f"w{(3 * i + j) % 60}" for j in range(4))
+                                         for i in range(n)]})
+
+
+def reward_even_words(completions, **kwargs):
+    """Rewards completions made of words with an even index (something to learn)."""
+    return [float(sum(1 for w in c.split() if w[1:].isdigit() and int(w[1:]) % 2 == 0))
+            for c in completions]
+
+
+def train(trainer_kind, steps, optimizer, gather=True, stage=2, sleep=False, output_dir=None):
+    """Trains for `steps` and returns the final params, the logged losses and
+    whether the params changed. optimizer: 'zero' or 'torch'."""
+    import tempfile
+
+    import rlhfz
+    from rlhfz.integrations.trainer import ZeroTrainerMixin
+    from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+    warnings.filterwarnings("ignore")
+    Config, Trainer = {"grpo": (GRPOConfig, GRPOTrainer),
+                       "rloo": (RLOOConfig, RLOOTrainer)}[trainer_kind]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    args = Config(output_dir=output_dir or tempfile.mkdtemp(prefix="rlhfz-trl-"),
+                  per_device_train_batch_size=8 // world, num_generations=4,
+                  max_completion_length=6, max_steps=steps, logging_steps=1, report_to="none",
+                  bf16=False, fp16=False, use_cpu=True, gradient_checkpointing=False,
+                  save_strategy="no", beta=0.0, learning_rate=1e-3, seed=0,
+                  ds3_gather_for_generation=gather, ddp_backend="gloo" if world > 1 else None,
+                  dataloader_num_workers=0, disable_tqdm=True)
+    model = policy()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if optimizer == "zero":
+        opt = rlhfz.ZeroAdamW(model, lr=1e-3, weight_decay=0.0, stage=stage,
+                              param_persistence_threshold=64)
+        cls = type(f"Zero{Trainer.__name__}", (ZeroTrainerMixin, Trainer), {})
+        extra = {"rlhfz_sleep": sleep}
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+        cls, extra = Trainer, {}
+    trainer = cls(model=model, reward_funcs=reward_even_words, args=args,
+                  train_dataset=prompts(), processing_class=tokenizer(),
+                  optimizers=(opt, None), **extra)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    after = {n: t.clone() for n, t in rlhfz.iter_full_params(model)}
+    changed = {n: not torch.equal(before[n], after[n]) for n in before}
+    out = {"params": after, "losses": losses, "changed": changed,
+           "wrapped": type(trainer.model_wrapped).__name__,
+           "accelerator": type(trainer.accelerator).__name__}
+    if optimizer == "zero":
+        out["placement"] = opt.placement()
+        opt.close()
+    return out
+
+
+if __name__ == "__main__":
+    import faulthandler
+    faulthandler.dump_traceback_later(float(os.environ.get("RLHFZ_TEST_DUMP_AFTER", "240")),
+                                      exit=True)
+    out_path, kind, steps, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    result = train(kind, steps, "zero", gather=mode == "gather", stage=3, sleep=True)
+    if int(os.environ.get("RANK", "0")) == 0:
+        torch.save(result, out_path)
