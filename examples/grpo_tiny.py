@@ -1,0 +1,79 @@
+"""TRL's GRPOTrainer with rlhfz's ZeroAdamW, on the CPU: a tiny Qwen2 built
+from a config and a tokenizer from an in-memory vocabulary (no downloads).
+
+    python examples/grpo_tiny.py                       # stage 2, one process
+    torchrun --nproc-per-node 2 examples/grpo_tiny.py  # stage 3 on 2 gloo ranks
+
+ZeroTrainerMixin keeps the model out of DDP (rlhfz reduces grads), gathers
+the model for generation as ds3_gather_for_generation says, and with
+rlhfz_sleep=True keeps the optimizer state in host memory while it generates.
+"""
+import os
+import tempfile
+import warnings
+
+import torch
+
+import rlhfz
+from rlhfz.integrations.trainer import ZeroTrainerMixin
+
+WORDS = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"w{i}" for i in range(60)]
+
+
+def tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    core = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(WORDS)},
+                                      unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>",
+                                   bos_token="<bos>", unk_token="<unk>", padding_side="left")
+
+
+def policy():
+    import transformers
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)          # every rank builds the same weights
+    return Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=len(WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True))
+
+
+def even_words(completions, **kwargs):
+    return [float(sum(1 for w in c.split() if w[1:].isdigit() and int(w[1:]) % 2 == 0))
+            for c in completions]
+
+
+def main():
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+    warnings.filterwarnings("ignore")
+
+    class ZeroGRPOTrainer(ZeroTrainerMixin, GRPOTrainer):
+        pass
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    args = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="grpo-tiny-"), per_device_train_batch_size=8 // world,
+        num_generations=4, max_completion_length=8, max_steps=int(os.environ.get("GRPO_STEPS", 6)),
+        logging_steps=1, report_to="none", bf16=False, use_cpu=True, save_strategy="no",
+        gradient_checkpointing=False, beta=0.0, learning_rate=1e-3, seed=0,
+        ds3_gather_for_generation=True, disable_tqdm=True)
+    model = policy()
+    opt = rlhfz.ZeroAdamW(model, lr=1e-3, weight_decay=0.0, stage=3 if world > 1 else 2,
+                          param_persistence_threshold=64)
+    dataset = Dataset.from_dict({"prompt": [" ".join(f"w{(3 * i + j) % 60}" for j in range(4))
+                                            for i in range(32)]})
+    trainer = ZeroGRPOTrainer(model=model, reward_funcs=even_words, args=args,
+                              train_dataset=dataset, processing_class=tokenizer(),
+                              optimizers=(opt, None), rlhfz_sleep=True)
+    result = trainer.train()
+    if trainer.args.process_index == 0:
+        print(f"grpo_tiny: {result.global_step} steps on {world} rank(s), stage {opt.stage}, "
+              f"loss {result.training_loss:.4g}, {result.metrics['train_runtime']:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

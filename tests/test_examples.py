@@ -1,0 +1,34 @@
+"""The examples run as documented: one process, and two gloo ranks under torchrun."""
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("trl")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("script,marker", [("ppo_loop.py", "ppo_loop:"),
+                                           ("grpo_tiny.py", "grpo_tiny:")])
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_example_runs(script, marker, ranks):
+    path = os.path.join(ROOT, "examples", script)
+    launch = ([sys.executable] if ranks == 1 else
+              [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+               "--nproc-per-node", str(ranks), "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{_free_port()}"])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
+    done = subprocess.run(launch + [path], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"{marker}" in done.stdout and f"on {ranks} rank(s)" in done.stdout, done.stdout
+    assert f"stage {3 if ranks > 1 else 2}" in done.stdout
