@@ -39,6 +39,16 @@ def test_sleeping_through_generation_trains_the_same():
         assert torch.equal(asleep["params"][name], value), name
 
 
+def test_trainer_checkpoints_resume_the_optimizer(tmp_path):
+    first = workers.train("grpo", 2, "zero", stage=2, output_dir=str(tmp_path), save_steps=2)
+    checkpoint = tmp_path / "checkpoint-2"
+    assert (checkpoint / "rlhfz_optimizer" / "index.json").is_file()
+    assert first["steps"] == 2
+    resumed = workers.train("grpo", 3, "zero", stage=2, output_dir=str(tmp_path),
+                            resume_from=str(checkpoint))
+    assert resumed["steps"] == 3          # two steps' state loaded, one more taken
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

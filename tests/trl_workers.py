@@ -47,7 +47,8 @@ def reward_even_words(completions, **kwargs):
             for c in completions]
 
 
-def train(trainer_kind, steps, optimizer, gather=True, stage=2, sleep=False, output_dir=None):
+def train(trainer_kind, steps, optimizer, gather=True, stage=2, sleep=False, output_dir=None,
+          save_steps=None, resume_from=None):
     """Trains for `steps` and returns the final params, the logged losses and
     whether the params changed. optimizer: 'zero' or 'torch'."""
     import tempfile
@@ -63,7 +64,8 @@ def train(trainer_kind, steps, optimizer, gather=True, stage=2, sleep=False, out
                   per_device_train_batch_size=8 // world, num_generations=4,
                   max_completion_length=6, max_steps=steps, logging_steps=1, report_to="none",
                   bf16=False, fp16=False, use_cpu=True, gradient_checkpointing=False,
-                  save_strategy="no", beta=0.0, learning_rate=1e-3, seed=0,
+                  save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
+                  beta=0.0, learning_rate=1e-3, seed=0,
                   ds3_gather_for_generation=gather, ddp_backend="gloo" if world > 1 else None,
                   dataloader_num_workers=0, disable_tqdm=True)
     model = policy()
@@ -79,7 +81,7 @@ def train(trainer_kind, steps, optimizer, gather=True, stage=2, sleep=False, out
     trainer = cls(model=model, reward_funcs=reward_even_words, args=args,
                   train_dataset=prompts(), processing_class=tokenizer(),
                   optimizers=(opt, None), **extra)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume_from)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     after = {n: t.clone() for n, t in rlhfz.iter_full_params(model)}
     changed = {n: not torch.equal(before[n], after[n]) for n in before}
@@ -88,6 +90,7 @@ def train(trainer_kind, steps, optimizer, gather=True, stage=2, sleep=False, out
            "accelerator": type(trainer.accelerator).__name__}
     if optimizer == "zero":
         out["placement"] = opt.placement()
+        out["steps"] = max(int(b.steps.max()) for b in opt._buckets)
         opt.close()
     return out
 
