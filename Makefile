@@ -8,9 +8,9 @@ PIP := $(PYTHON) -m pip
 TORCH_PIN ?= torch==2.13.0
 # nvidia-nccl-cu13: the NCCL library the native communicator loads (its tests run without a GPU)
 # transformers, trl: stage 3 is tested on GPT-2 and Llama models built from configs, and the
-# TRL twin against TRL's own signature
+# TRL twin against TRL's own signature; requests: TRL's trainers import it (GRPO/RLOO tests)
 DEPS := $(TORCH_PIN) numpy pytest pytest-benchmark hypothesis "setuptools>=64" wheel \
-	nvidia-nccl-cu13 transformers trl==1.13.0
+	nvidia-nccl-cu13 transformers trl==1.13.0 requests
 
 .PHONY: deps install demo test bench gpu-check clean
 
