@@ -37,7 +37,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import pytest
@@ -50,6 +49,8 @@ NUMEL = 64 << 20
 ROUNDS = 3
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(ROOT, "tests"))     # the peak-memory probe the tests use
+from state_snapshots import peak_kib_during, status_kib  # noqa: E402
 _raw: dict[str, float] = {}
 
 
@@ -241,40 +242,6 @@ def test_peak_rss_during_load(benchmark, loader):
         "measured_by": result["how"], "timed": "the whole child process"})
 
 
-def _status_kib(key):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1])
-    raise RuntimeError(f"no {key} in /proc/self/status")
-
-
-def _peak_during(fn):
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        reset = _status_kib("VmHWM:") <= _status_kib("VmRSS:") + 1024
-    except OSError:
-        reset = False
-    if reset:
-        fn()
-        return _status_kib("VmHWM:"), "VmHWM"
-    peak, done = [_status_kib("VmRSS:")], threading.Event()
-
-    def sample():
-        while not done.is_set():
-            peak[0] = max(peak[0], _status_kib("VmRSS:"))
-            time.sleep(0.001)
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
-        fn()
-    finally:
-        done.set()
-        sampler.join()
-    return max(peak[0], _status_kib("VmRSS:")), "VmRSS sampled every 1 ms"
-
-
 def _measure_load(loader, directory, out):
     """In a child: train, save in the loader's format, clear the state, then
     load it back while watching the peak."""
@@ -292,7 +259,7 @@ def _measure_load(loader, directory, out):
         for t in tensors:
             t.zero_()
     gc.collect()
-    steady = _status_kib("VmRSS:")
+    steady = status_kib("VmRSS:")
 
     def load():
         if loader == "rlhfz.load_checkpoint":
@@ -305,7 +272,7 @@ def _measure_load(loader, directory, out):
             opt.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"),
                                            map_location="cpu", weights_only=True))
     start = time.perf_counter()
-    peak, how = _peak_during(load)
+    peak, how = peak_kib_during(load)
     seconds = time.perf_counter() - start
     restored = [float(torch.from_numpy(a).double().sum()) for a in _saved_arrays(model, opt)]
     if restored != digest:

@@ -20,14 +20,13 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import pytest
 import torch
 
 import rlhfz
-from state_snapshots import assert_same, snapshot
+from state_snapshots import assert_same, peak_kib_during, snapshot, status_kib
 
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -407,42 +406,6 @@ def _save_twice(checkpoint, sizes, marker, stop_at=None, stopped=None):
     time.sleep(CHILD_TIMEOUT)     # not reached in time: the parent kills it during the save
 
 
-def _status_kib(key):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1])
-    raise AssertionError(f"no {key} in /proc/self/status")
-
-
-def peak_during(fn):
-    """fn's peak resident memory (KiB) and how it was measured: the kernel's
-    high-water mark reset just before, else a thread sampling VmRSS."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        reset = _status_kib("VmHWM:") <= _status_kib("VmRSS:") + 1024
-    except OSError:
-        reset = False
-    if reset:
-        fn()
-        return _status_kib("VmHWM:"), "VmHWM"
-    peak, done = [_status_kib("VmRSS:")], threading.Event()
-
-    def sample():
-        while not done.is_set():
-            peak[0] = max(peak[0], _status_kib("VmRSS:"))
-            time.sleep(0.001)
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
-        fn()
-    finally:
-        done.set()
-        sampler.join()
-    return max(peak[0], _status_kib("VmRSS:")), "VmRSS sampled every 1 ms"
-
-
 def _rss(loader, numel, checkpoint, out):
     import gc
     model, opt = flat_state([numel], 1)     # grads and both moments exist
@@ -457,7 +420,7 @@ def _rss(loader, numel, checkpoint, out):
         for t in (param, state["exp_avg"], state["exp_avg_sq"]):
             t.zero_()
     gc.collect()
-    steady = _status_kib("VmRSS:")
+    steady = status_kib("VmRSS:")
 
     def load():
         if loader == "rlhfz":
@@ -467,7 +430,7 @@ def _rss(loader, numel, checkpoint, out):
                                 weights_only=True)
             opt.load_state_dict(loaded)
     start = time.perf_counter()
-    peak, how = peak_during(load)
+    peak, how = peak_kib_during(load)
     seconds = time.perf_counter() - start
     state = opt.state[param]
     if loader == "rlhfz":

@@ -10,41 +10,16 @@ import warnings
 
 import torch
 
-WORDS = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"w{i}" for i in range(60)]
-
-
-def tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    core = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(WORDS)},
-                                      unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>",
-                                   bos_token="<bos>", unk_token="<unk>", padding_side="left")
-
-
-def policy(seed=0):
-    import transformers
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=len(WORDS), hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=64, pad_token_id=0, eos_token_id=1,
-                         bos_token_id=2, tie_word_embeddings=True)
-    return Qwen2ForCausalLM(config)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The policy, tokenizer and reward the GRPO example trains with.
+from examples.grpo_tiny import even_words as reward_even_words  # noqa: E402
+from examples.grpo_tiny import policy, tokenizer  # noqa: E402,F401
 
 
 def prompts(n=16):
     from datasets import Dataset
     return Dataset.from_dict({"prompt": [" ".join(f"w{(3 * i + j) % 60}" for j in range(4))
                                          for i in range(n)]})
-
-
-def reward_even_words(completions, **kwargs):
-    """Rewards completions made of words with an even index (something to learn)."""
-    return [float(sum(1 for w in c.split() if w[1:].isdigit() and int(w[1:]) % 2 == 0))
-            for c in completions]
 
 
 def train(trainer_kind, steps, optimizer, gather=True, stage=2, sleep=False, output_dir=None,
