@@ -91,6 +91,24 @@ def _common_device(params: list) -> torch.device:
     return torch.device("cpu")
 
 
+def _start_from_first_rank(comm, tensors: list) -> None:
+    """Every rank starts from the first rank's values, as DDP and DeepSpeed
+    do: ranks that initialized differently would otherwise train a mix of
+    models without a word. Ranks whose params differ in number, shape or
+    dtype fail here, naming the difference, instead of later, in a hang."""
+    comm.agree("ZeroAdamW.add_param_group",
+               [(tuple(t.shape), str(t.dtype).replace("torch.", "")) for t in tensors])
+    import torch.distributed as dist
+    source = comm._global[0]
+    stage_on_host = comm.backend == "gloo"
+    with torch.no_grad():
+        for t in tensors:
+            staged = t.detach().cpu() if stage_on_host and t.device.type != "cpu" else t.detach()
+            dist.broadcast(staged, src=source, group=comm.group)
+            if staged.data_ptr() != t.data_ptr():
+                t.copy_(staged)
+
+
 class NonFiniteGradError(FloatingPointError):
     """A gradient held NaN or Inf under nonfinite='raise'; no state was changed."""
 
@@ -260,6 +278,9 @@ class ZeroAdamW(Optimizer):
         options = {**self.defaults, **{k: v for k, v in group.items() if k != "params"}}
         _check_hparams(options["lr"], options["betas"], options["eps"], options["weight_decay"])
         _check_unsupported(options)
+
+        if self.comm is not None:
+            _start_from_first_rank(self.comm, tensors)
 
         # Build the buckets before the group is registered: if allocation
         # fails, neither the optimizer nor the model has changed.

@@ -118,6 +118,26 @@ def mismatched_calls(rank, world_size, what):
     return None
 
 
+def start_from_first_rank(rank, world_size, stage):
+    """Each rank seeds its model differently; the optimizer starts every
+    rank from rank 0's values. Returns the params after construction."""
+    model = make_model(seed=rank)
+    rlhfz.ZeroAdamW(model if stage == 3 else groups(model), lr=1e-3, stage=stage)
+    if stage == 3:
+        return [p.detach().clone() for _, p in rlhfz.iter_full_params(model)]
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def differently_shaped_models(rank, world_size):
+    from rlhfz.comm import CollectiveMismatchError
+    model = make_model() if rank == 0 else torch.nn.Linear(37, 7)
+    try:
+        rlhfz.ZeroAdamW(model, stage=2)
+    except CollectiveMismatchError as error:
+        return str(error)
+    return None
+
+
 def ddp_with_sharding_raises(rank, world_size):
     model = torch.nn.parallel.DistributedDataParallel(make_model())
     try:

@@ -103,6 +103,22 @@ def test_a_rank_that_never_arrives_fails_within_the_timeout():
     assert "not every rank of the 2 did within 5 s" in messages[0]
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_every_rank_starts_from_the_first_ranks_values(stage):
+    results = run_ranks(workers.start_from_first_rank, 3, stage)
+    expected = list(workers.make_model(seed=0).parameters())
+    for params in results:
+        assert len(params) == len(expected)
+        for got, want in zip(params, expected):
+            assert torch.equal(got, want.detach())
+
+
+def test_ranks_with_different_models_fail_at_construction():
+    messages = run_ranks(workers.differently_shaped_models, 2, timeout=120)
+    for rank, message in enumerate(messages):
+        assert message is not None and "ZeroAdamW.add_param_group" in message, messages
+
+
 def test_stage2_holds_no_full_grads():
     """Stage 2 keeps grad shards, two staging buckets and one scratch shard:
     never the model's full grads."""
