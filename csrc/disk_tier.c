@@ -6,19 +6,46 @@
  * reserved up front (posix_fallocate): a full disk is an OSError at
  * allocation, never a SIGBUS at some later write. Freeing unmaps, closes
  * and deletes the file.
+ *
+ * Names carry 128 random bits from getrandom(), and files are created with
+ * O_EXCL | O_NOFOLLOW and mode 0600: in a shared directory another user can
+ * neither guess a name in advance nor redirect one through a planted link.
  */
 #include "rlhfz_module.h"
 
 #include <errno.h>
 #include <fcntl.h>
-#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <unistd.h>
 
-static atomic_ulong file_counter;
+#define NAME_RANDOM_BYTES 16
+/* a name taken by someone else is skipped; this many in a row is no accident */
+#define NAME_ATTEMPTS 64
+
+/* Writes "<dir>/rlhfz-<32 hex digits>.buf" into name; 0, or an errno. */
+static int random_name(char *name, size_t length, const char *dir)
+{
+    unsigned char bytes[NAME_RANDOM_BYTES];
+    size_t filled = 0;
+    while (filled < sizeof(bytes)) {
+        ssize_t got = getrandom(bytes + filled, sizeof(bytes) - filled, 0);
+        if (got < 0) {
+            if (errno == EINTR)
+                continue;
+            return errno;
+        }
+        filled += (size_t)got;
+    }
+    char hex[2 * NAME_RANDOM_BYTES + 1];
+    for (size_t i = 0; i < sizeof(bytes); i++)
+        snprintf(hex + 2 * i, 3, "%02x", bytes[i]);
+    snprintf(name, length, "%s/rlhfz-%s.buf", dir, hex);
+    return 0;
+}
 
 int rlhfz_disk_alloc(const char *dir, size_t nbytes, void **data, int *fd, char **path)
 {
@@ -31,17 +58,25 @@ int rlhfz_disk_alloc(const char *dir, size_t nbytes, void **data, int *fd, char 
         PyErr_NoMemory();
         return -1;
     }
-    snprintf(name, length, "%s/rlhfz-%ld-%lu.buf", dir, (long)getpid(),
-             (unsigned long)atomic_fetch_add(&file_counter, 1));
+    snprintf(name, length, "%s/rlhfz-<random>.buf", dir);    /* for errors before a name is drawn */
     int error = 0;
     const char *step = "open";
     void *mapped = MAP_FAILED;
-    int file;
+    int file = -1;
     Py_BEGIN_ALLOW_THREADS
-    file = open(name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-    if (file < 0) {
-        error = errno;
-    } else {
+    for (int attempt = 0; attempt < NAME_ATTEMPTS; attempt++) {
+        error = random_name(name, length, dir);
+        if (error != 0) {
+            step = "draw a random name for";
+            break;
+        }
+        /* O_EXCL: never an existing file, nor a link planted at the name */
+        file = open(name, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+        error = file < 0 ? errno : 0;
+        if (error != EEXIST)
+            break;
+    }
+    if (file >= 0) {
         step = "reserve";
         error = posix_fallocate(file, 0, (off_t)nbytes);
         if (error == 0) {

@@ -86,6 +86,10 @@ static int validate_tensor(const DLTensor *tensor, const char *name, rlhfz_place
         PyErr_Format(PyExc_BufferError, "%s has %d dimensions but no shape", name, (int)tensor->ndim);
         return -1;
     }
+    /* Its bytes must fit a ptrdiff_t, so that sizes and the stride products
+     * below cannot overflow. */
+    size_t itemsize = rlhfz_dtype_size(out->dtype);
+    size_t max_numel = (size_t)PTRDIFF_MAX / itemsize;
     size_t numel = 1;
     for (int i = 0; i < tensor->ndim; i++) {
         int64_t dim = tensor->shape[i];
@@ -94,7 +98,7 @@ static int validate_tensor(const DLTensor *tensor, const char *name, rlhfz_place
                          name, (long long)dim, i);
             return -1;
         }
-        if (dim != 0 && numel > SIZE_MAX / (size_t)dim) {
+        if (dim != 0 && numel > max_numel / (size_t)dim) {
             PyErr_Format(PyExc_BufferError, "%s is too large", name);
             return -1;
         }
@@ -117,12 +121,20 @@ static int validate_tensor(const DLTensor *tensor, const char *name, rlhfz_place
             expected *= dim;
         }
     }
-    size_t itemsize = rlhfz_dtype_size(out->dtype);
-    char *data = (char *)tensor->data + tensor->byte_offset;
     if (numel > 0 && tensor->data == NULL) {
         PyErr_Format(PyExc_BufferError, "%s has %zu elements but a null data pointer", name, numel);
         return -1;
     }
+    /* data + byte_offset + its bytes, without wrapping past the address space */
+    uintptr_t start = (uintptr_t)tensor->data;
+    if (tensor->byte_offset > UINTPTR_MAX - start ||
+        numel * itemsize > UINTPTR_MAX - (start + tensor->byte_offset)) {
+        PyErr_Format(PyExc_BufferError, "%s: data pointer %p plus byte_offset %llu and %zu bytes "
+                     "runs past the end of the address space", name, tensor->data,
+                     (unsigned long long)tensor->byte_offset, numel * itemsize);
+        return -1;
+    }
+    char *data = (char *)(start + tensor->byte_offset);
     if (((uintptr_t)data) % itemsize != 0) {
         PyErr_Format(PyExc_BufferError, "%s data at %p is not aligned to its %zu-byte elements",
                      name, (void *)data, itemsize);

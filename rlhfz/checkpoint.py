@@ -12,7 +12,7 @@ atomically replaces index.json; only then does the old generation go. A
 crash at any point leaves an index.json that names a complete generation.
 
 Loading checks everything it will read before it writes anything: the index
-against the model and optimizer, every file's header, and the CRC-32 of
+(its own CRC-32, then against the model and optimizer), every file's header, and the CRC-32 of
 every byte it needs. Then it copies byte ranges straight into the params and
 optimizer state, so the extra host memory it needs is one staging buffer (for
 device memory), not the state. A checkpoint written at any world size and
@@ -32,16 +32,19 @@ import os
 import re
 import secrets
 import shutil
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from .generation import _unwrap, iter_full_params, stage3_of
+from .layout import plan_bucket
 from .progress import progress
 from .tensorfile import CorruptFileError, TensorFile, TensorFileWriter
 
 FORMAT = "rlhfz.checkpoint.v1"
 INDEX = "index.json"
+CHECKSUM = "crc32"          # the index's own, over the rest of it
 MODEL_FILE = "model.pt"
 OPTIMIZER_FILE = "optimizer.pt"
 MAX_INDEX_BYTES = 256 << 20
@@ -140,6 +143,13 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _create_private(file: str):
+    """A new file only its owner can read, whatever the umask (as the tensor
+    files are); never an existing file or a link planted at its name."""
+    return os.fdopen(os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600),
+                     "wb")
+
+
 def _rank_entries(optimizer, extras):
     """(name, dtype, shape, parts) of every tensor in this rank's file."""
     entries = []
@@ -178,17 +188,30 @@ def _write_rank_file(directory: str, optimizer, extras) -> dict:
     return {"name": name, "bytes": writer.nbytes, "crc32": writer.crc32}
 
 
+def _index_crc(index: dict) -> int:
+    return zlib.crc32(json.dumps(index, separators=(",", ":")).encode())
+
+
+def _index_text(index: dict) -> bytes:
+    """The index with a CRC-32 of itself: the tensor files carry their own,
+    and a damaged index could otherwise load the right bytes into the wrong
+    places, or drop state, without a word."""
+    body = {key: value for key, value in index.items() if key != CHECKSUM}
+    body[CHECKSUM] = _index_crc(body)
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
 def _commit(path: str, tmp: str, token: str, index: dict) -> None:
     generation = f"g-{token}"
-    text = json.dumps(index, separators=(",", ":")).encode()
-    with open(os.path.join(tmp, INDEX), "wb") as f:      # a generation describes itself too
+    text = _index_text(index)
+    with _create_private(os.path.join(tmp, INDEX)) as f:   # a generation describes itself too
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
     _fsync_dir(tmp)
     os.rename(tmp, os.path.join(path, generation))
     staged = os.path.join(path, f".index-{token}.json")
-    with open(staged, "wb") as f:
+    with _create_private(staged) as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
@@ -308,6 +331,11 @@ def _read_index(path: str) -> dict:
         index = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as error:
         _fail(path, f"{INDEX} is not valid JSON ({error})")
+    # json round-trips what _index_text wrote (key order, floats), so the
+    # same text, and the same CRC, comes back
+    saved = index.pop(CHECKSUM, None) if isinstance(index, dict) else None
+    if type(saved) is not int or saved != _index_crc(index):
+        _fail(path, f"{INDEX} does not match its CRC-32: it was damaged or edited")
     _check_index(path, index)
     return index
 
@@ -341,7 +369,7 @@ def _check_index(path, index) -> None:
     for i, p in enumerate(index["params"]):
         if not (isinstance(p, dict) and isinstance(p.get("shape"), list)
                 and all(_is_int(s) for s in p["shape"]) and p.get("dtype") in _DTYPES
-                and (p.get("name") is None or isinstance(p.get("name"), str))):
+                and "name" in p and (p["name"] is None or isinstance(p["name"], str))):
             _fail(path, f"{INDEX}: param {i} is malformed")
     seen = set()
     for k, b in enumerate(index["buckets"]):
@@ -364,6 +392,13 @@ def _check_index(path, index) -> None:
             if (offset + numel > b["padded_numel"] or numel != math.prod(param["shape"])
                     or param["dtype"] != b["dtype"]):
                 _fail(path, f"{INDEX}: bucket {k}: param {pos} does not fit its bucket")
+        # The index has no checksum: offsets edited into another layout would
+        # load bytes from the wrong places. rlhfz lays out a bucket one way.
+        layout = plan_bucket([index["params"][pos]["shape"] for pos in b["params"]],
+                             _DTYPES[b["dtype"]].itemsize, world_size)
+        if [s.offset for s in layout.slots] != b["offsets"] \
+                or layout.padded_numel != b["padded_numel"]:
+            _fail(path, f"{INDEX}: bucket {k} is not laid out as rlhfz lays out its params")
     if len(seen) != count:
         _fail(path, f"{INDEX}: {count - len(seen)} params are in no bucket")
     for g, group in enumerate(index["param_groups"]):
@@ -401,6 +436,19 @@ def _match(path, index, current) -> None:
         if spec != current["module"][name]:
             _fail(path, f"model entry {name!r} is {spec} in the checkpoint but "
                         f"{current['module'][name]} here")
+
+
+def _check_groups(path, index, optimizer) -> None:
+    """The options the index sets on each param group are ones the optimizer
+    takes (the index has no checksum: an edited one must not slip through)."""
+    from .optim import _check_hparams, _check_unsupported
+    for g, (group, saved) in enumerate(zip(optimizer.param_groups, index["param_groups"])):
+        merged = {**group, **{k: v for k, v in saved.items() if k not in ("params", "param_names")}}
+        try:
+            _check_unsupported(merged)
+            _check_hparams(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
+        except (TypeError, ValueError, RuntimeError) as error:
+            _fail(path, f"{INDEX}: param group {g}: {error}")
 
 
 # ---- loading: which saved bytes land where ---------------------------------------------------
@@ -570,6 +618,7 @@ def load_checkpoint(path, model, optimizer=None):
     try:
         index = _read_index(path)
         _match(path, index, _describe(model, optimizer))
+        _check_groups(path, index, optimizer)
         plan = _Plan(index, optimizer)
         needed = plan.needs()
         files = _open_files(path, index, needed)
@@ -625,9 +674,11 @@ def _apply(index, plan, files, model, optimizer) -> None:
 
 def _atomic_torch_save(obj, file: str) -> None:
     staged = f"{file}.tmp-{secrets.token_hex(8)}"
+    f = _create_private(staged)      # before the try: a name already taken is not ours to remove
     try:
-        torch.save(obj, staged)
-        with open(staged, "rb+") as f:
+        with f:
+            torch.save(obj, f)
+            f.flush()
             os.fsync(f.fileno())
         os.replace(staged, file)
     except BaseException:

@@ -794,8 +794,12 @@ class ZeroAdamW(Optimizer):
             if step.numel() != 1:
                 raise ValueError(f"state[{key!r}]['step'] must be a scalar")
             step = step.item()
-        if not (isinstance(step, (int, float)) and math.isfinite(step) and step >= 0
-                and float(step).is_integer()):
+        try:
+            whole = (isinstance(step, (int, float)) and math.isfinite(step) and step >= 0
+                     and float(step).is_integer())
+        except OverflowError:        # an int no float can hold
+            whole = False
+        if not whole:
             raise ValueError(f"state[{key!r}]['step'] must be a whole number >= 0, not {step!r}")
         names = ["exp_avg", "exp_avg_sq"] + (["master_param"] if "master_param" in entry else [])
         for name in names:

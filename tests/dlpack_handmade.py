@@ -2,6 +2,7 @@
 of inputs no real producer makes (a CUDA device without a GPU, lanes, a
 null data pointer)."""
 import ctypes
+import sys
 
 import numpy as np
 
@@ -110,3 +111,113 @@ class Handmade:
             self.managed.flags = flags
         self.capsule = _capsule_new(ctypes.addressof(self.managed),
                                     VERSIONED if versioned else LEGACY, None)
+
+
+# ---- produced tensors: one capsule per tensor, and a count of deleter calls --------------
+#
+# A Produced tensor's deleter counts its calls, so a test can hold every path
+# to exactly one. Its capsule has no destructor: a destructor that runs Python
+# code (a ctypes callback) would run while the consumer's exception is in
+# flight, which Python code cannot do safely. The test plays the producer's
+# destructor instead: finish() runs the deleter if no consumer took the
+# tensor (renamed the capsule "used_*"). The deleter is module-level, since a
+# Buffer may outlive the test's locals; the struct, shape, strides and data
+# live in the Produced object (close() keeps it in a small graveyard, so a
+# late deleter call still finds its memory).
+
+_capsule_new_owned = _api["PyCapsule_New"]
+_capsule_new_owned.restype = ctypes.py_object
+_capsule_new_owned.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+
+_LIVE = {}                     # managed struct address -> Produced
+_GRAVEYARD = []                # closed Produced objects, kept a while (see above)
+CALLBACK_ERRORS = []           # what went wrong inside the deleter (it cannot raise)
+STRAY_DELETES = []             # deleter calls for tensors no test holds any more
+
+
+def _on_delete(pointer):
+    try:
+        owner = _LIVE.get(pointer)
+        if owner is None:
+            STRAY_DELETES.append(pointer)
+        else:
+            owner.deleted += 1
+    except BaseException as error:   # noqa: BLE001 - recorded: a callback cannot raise
+        CALLBACK_ERRORS.append(repr(error))
+
+
+_PRODUCED_DELETER = _DELETER(_on_delete)
+_PRODUCED_DELETER_ADDRESS = ctypes.cast(_PRODUCED_DELETER, ctypes.c_void_p).value
+
+ITEMSIZE = {(2, 32): 4, (4, 16): 2, (2, 16): 2}   # (code, bits) rlhfz takes -> bytes
+
+
+class Produced:
+    """One DLPack tensor, field by field, and (from capsule()) the one capsule
+    that owns it. data is an address (None: null); shape and strides are what
+    the struct points at (strides None: a null pointer); ndim may claim
+    another length, safe only outside 0..8 (rlhfz must refuse before reading
+    the shape). name is the capsule's name, by default the proper one."""
+
+    _UNSET = object()
+
+    def __init__(self, data, shape, strides=None, *, ndim=None, code=2, bits=32, lanes=1,
+                 device=(1, 0), byte_offset=0, versioned=True, major=1, minor=0, flags=0,
+                 null_shape=False, deleter=True, name=_UNSET, keep=None):
+        self.keep = keep                        # whatever owns the memory at `data`
+        self.shape_array = (ctypes.c_int64 * max(len(shape), 1))(*shape)
+        self.strides_array = (None if strides is None
+                              else (ctypes.c_int64 * max(len(strides), 1))(*strides))
+        self.managed = DLManagedTensorVersioned() if versioned else DLManagedTensor()
+        t = self.managed.dl_tensor
+        t.data = data
+        t.device = DLDevice(*device)
+        t.ndim = len(shape) if ndim is None else ndim
+        t.dtype = DLDataType(code, bits, lanes)
+        if not null_shape:
+            t.shape = ctypes.cast(self.shape_array, ctypes.POINTER(ctypes.c_int64))
+        if self.strides_array is not None:
+            t.strides = ctypes.cast(self.strides_array, ctypes.POINTER(ctypes.c_int64))
+        t.byte_offset = byte_offset
+        if versioned:
+            self.managed.major, self.managed.minor, self.managed.flags = major, minor, flags
+        self.has_deleter = bool(deleter)
+        if deleter:
+            self.managed.deleter = _PRODUCED_DELETER_ADDRESS
+        self.address = ctypes.addressof(self.managed)
+        self.proper = VERSIONED if versioned else LEGACY
+        self.name = self.proper if name is Produced._UNSET else name
+        self.deleted = 0
+        self.capsules = []
+        _LIVE[self.address] = self
+
+    def capsule(self):
+        """The capsule (one per tensor: it owns it). The test keeps a
+        reference, to see afterwards what the consumer did with it."""
+        assert not self.capsules, "one capsule per tensor"
+        capsule = _capsule_new_owned(self.address, self.name, None)
+        self.capsules.append(capsule)
+        return capsule
+
+    def taken(self) -> bool:
+        """Whether a consumer took the tensor (renamed its capsule)."""
+        return (bool(self.capsules) and self.name == self.proper
+                and capsule_name(self.capsules[0]) == USED[self.proper])
+
+    def finish(self):
+        """What the producer's destructor does once the capsule dies: run the
+        deleter unless a consumer took the tensor. Returns the references to
+        the capsule that someone besides this object still holds."""
+        extra = 0
+        if self.capsules:
+            extra = sys.getrefcount(self.capsules[0]) - 2   # the list's and the argument's
+            if self.name == self.proper and not self.taken() and self.has_deleter:
+                _on_delete(self.address)
+        self.capsules.clear()
+        return extra
+
+    def close(self):
+        """Stop tracking; the memory stays in the graveyard a while."""
+        _LIVE.pop(self.address, None)
+        _GRAVEYARD.append(self)
+        del _GRAVEYARD[:-512]

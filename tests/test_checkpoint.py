@@ -3,6 +3,7 @@ atomic replacement, damage detected before anything changes, and the
 consolidated torch formats both ways."""
 import json
 import os
+import re
 import shutil
 import struct
 
@@ -157,6 +158,11 @@ DAMAGE = {
     "wrong world size": lambda d: (d / "index.json").write_text(
         (d / "index.json").read_text().replace('"world_size":1', '"world_size":2')),
     "generation gone": lambda d: shutil.rmtree(_shard(d).parent),
+    # well-formed edits that would drop state or move bytes: the index's CRC catches them
+    "state dropped": lambda d: (d / "index.json").write_text(
+        (d / "index.json").read_text().replace('"registered":[true', '"registered":[false', 1)),
+    "lr edited": lambda d: (d / "index.json").write_text(
+        re.sub(r'"lr":[^,]+', '"lr":0.5', (d / "index.json").read_text(), count=1)),
 }
 
 
@@ -164,7 +170,10 @@ DAMAGE = {
 def test_damaged_checkpoint_raises_and_changes_nothing(tmp_path, damage):
     target, target_opt = _saved(tmp_path)
     before = snapshot(target, target_opt)
+    text = (tmp_path / "index.json").read_bytes()
     DAMAGE[damage](tmp_path)
+    if damage in ("state dropped", "lr edited"):
+        assert (tmp_path / "index.json").read_bytes() != text      # the edit landed
     with pytest.raises(rlhfz.CheckpointError):
         rlhfz.load_checkpoint(tmp_path, target, target_opt)
     assert_same(before, snapshot(target, target_opt))

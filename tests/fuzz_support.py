@@ -1,0 +1,71 @@
+"""What the fuzz tests share: how many cases to run, a count of the cases that
+really ran, a watchdog that turns a hang into a loud failure, and the one
+rule every case obeys (a clean exception of a named family, or success).
+
+RLHFZ_FUZZ_EXAMPLES sets the cases per target (200 by default;
+`make fuzz` runs 10000)."""
+import contextlib
+import faulthandler
+import os
+import sys
+import time
+
+from hypothesis import HealthCheck, settings
+
+EXAMPLES = int(os.environ.get("RLHFZ_FUZZ_EXAMPLES", "200"))
+# One case takes milliseconds: this much means a hang.
+CASE_TIMEOUT_S = float(os.environ.get("RLHFZ_FUZZ_CASE_TIMEOUT", "60"))
+
+# Exceptions that are never a clean refusal: an interpreter-level failure, or
+# an allocation sized by the input.
+NEVER = (SystemError, MemoryError, RecursionError)
+
+
+def fuzz_settings(examples=None):
+    return settings(max_examples=examples or EXAMPLES, deadline=None, database=None,
+                    derandomize=False, print_blob=True,
+                    suppress_health_check=list(HealthCheck))
+
+
+@contextlib.contextmanager
+def watchdog(timeout=CASE_TIMEOUT_S):
+    """A case that runs past `timeout` dumps every thread's stack and exits."""
+    faulthandler.dump_traceback_later(timeout, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+class Tally:
+    """Cases run, and how they ended, for one target."""
+
+    def __init__(self, target):
+        self.target = target
+        self.cases = 0
+        self.outcomes = {}
+        self.started = time.perf_counter()
+
+    def case(self, outcome):
+        self.cases += 1
+        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+
+    def report(self, expected=None):
+        """Prints the count (make fuzz shows it) and holds it to `expected`."""
+        expected = EXAMPLES if expected is None else expected
+        seconds = time.perf_counter() - self.started
+        kinds = ", ".join(f"{k}: {v}" for k, v in sorted(self.outcomes.items()))
+        line = f"fuzz {self.target}: {self.cases} cases in {seconds:.1f} s ({kinds})"
+        print("\n" + line, file=sys.__stdout__, flush=True)
+        assert self.cases >= expected, f"{line}: fewer than the {expected} asked for"
+
+
+def outcome(call, allowed):
+    """Runs call(); returns ("ok", result) or ("raised", exception). Anything
+    outside `allowed`, or in NEVER, propagates as the test's failure."""
+    try:
+        return "ok", call()
+    except NEVER:
+        raise
+    except allowed as error:
+        return "raised", error
