@@ -8,6 +8,12 @@ seconds, default 300), so a rank that never arrives, or arrives at another
 call, makes the others fail with an error that names the mismatch instead
 of hanging until the default group's 30-minute timeout.
 
+The data collectives are bounded by the same timeout: on gloo they run on a
+group of their own created with it (so a stalled transfer ends and frees
+gloo's threads, and the process can exit), and every wait is cut off at it.
+A rank that died, or is alive but elsewhere, makes the others raise
+CollectiveError naming the collective, instead of hanging.
+
 On gloo the flat collectives are composed from point-to-root ones, issued
 asynchronously in pieces of about GLOO_PIECE_BYTES so that gloo's worker
 threads pipeline them: gloo's own reduce-scatter and all-gather copy through
@@ -20,6 +26,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -35,26 +42,55 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 class _Pending:
     """Collectives in flight, and what to do once they are all done."""
 
-    def __init__(self, works, then=None):
+    def __init__(self, works, then, comm: "Communicator", call: str):
         self.works, self.then = works, then
+        self.comm, self.call = comm, call
 
     def wait(self) -> None:
-        while self.works:
-            self.works.pop(0).wait()
+        """Raises CollectiveError if they fail or are not all done within
+        rlhfz's timeout (a failed wait leaves nothing in flight)."""
+        deadline = time.monotonic() + collective_timeout()
+        try:
+            while self.works:
+                # timedelta(0) would mean no limit: wait at least 1 ms
+                left = max(deadline - time.monotonic(), 1e-3)
+                self.works[0].wait(timeout=datetime.timedelta(seconds=left))
+                self.works.pop(0)
+        except RuntimeError as error:
+            works, self.works, self.then = self.works, [], None
+            _drain(works)
+            raise self.comm._failed(self.call, error) from error
         if self.then is not None:
             then, self.then = self.then, None
             then()
 
 
-def _finish(works, then, async_op: bool):
-    pending = _Pending(works, then)
+def _drain(works) -> None:
+    """Lets failed transfers end. The data group's own timeout ends each one
+    soon after a failed wait (a closed pair fails the rest at once); a
+    process that exits while gloo still runs one is aborted."""
+    for work in works:
+        try:
+            work.wait()
+        except RuntimeError:
+            pass
+
+
+def _finish(works, then, async_op: bool, comm: "Communicator", call: str):
+    pending = _Pending(works, then, comm, call)
     if async_op:
         return pending
     pending.wait()
     return None
 
 
-class CollectiveMismatchError(RuntimeError):
+class CollectiveError(RuntimeError):
+    """A collective failed, or did not complete within rlhfz's timeout
+    (RLHFZ_COLLECTIVE_TIMEOUT): another rank died or stopped taking part.
+    The ranks cannot go on together; restart them from a checkpoint."""
+
+
+class CollectiveMismatchError(CollectiveError):
     """Ranks entered collectives inconsistently (or one never arrived)."""
 
 
@@ -76,9 +112,14 @@ class Communicator:
         self._calls = 0        # collective entry points this rank has made
         # Every rank constructs the optimizer, so creating the group here
         # keeps the collective order of new_group consistent.
-        self._control = dist.new_group(
-            ranks=ranks, backend="gloo",
-            timeout=datetime.timedelta(seconds=collective_timeout()))
+        timeout = datetime.timedelta(seconds=collective_timeout())
+        self._control = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+        # On gloo the data moves on a group of rlhfz's own too: a transfer
+        # that stalls (a rank alive but elsewhere) ends at rlhfz's timeout
+        # and frees gloo's threads; on the caller's group it would hold them,
+        # and the process's exit, until that group's timeout.
+        self._data = (dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+                      if self._gloo else process_group)
 
     def reduce_scatter(self, shard_out: torch.Tensor, full_in: torch.Tensor,
                        async_op: bool = False):
@@ -88,11 +129,14 @@ class Communicator:
             return _reduce_scatter(shard_out, full_in, op=dist.ReduceOp.AVG, group=self.group,
                                    async_op=async_op)
         shard = full_in.numel() // self.world_size
-        works = [dist.reduce(piece, dst=self._global[owner], op=dist.ReduceOp.SUM,
-                             group=self.group, async_op=True)
-                 for owner, piece in self._pieces(full_in, shard)]
+        call = _named("reduce_scatter", shard_out)
+        works = self._issue(call, (
+            dist.reduce(piece, dst=self._global[owner], op=dist.ReduceOp.SUM,
+                        group=self._data, async_op=True)
+            for owner, piece in self._pieces(full_in, shard)))
         mine = full_in[self.rank * shard:(self.rank + 1) * shard]
-        return _finish(works, lambda: torch.div(mine, self.world_size, out=shard_out), async_op)
+        return _finish(works, lambda: torch.div(mine, self.world_size, out=shard_out), async_op,
+                       self, call)
 
     def all_gather(self, full_out: torch.Tensor, shard_in: torch.Tensor,
                    async_op: bool = False):
@@ -103,9 +147,11 @@ class Communicator:
         mine = full_out[self.rank * shard:(self.rank + 1) * shard]
         if mine.data_ptr() != shard_in.data_ptr():
             mine.copy_(shard_in)
-        works = [dist.broadcast(piece, src=self._global[owner], group=self.group, async_op=True)
-                 for owner, piece in self._pieces(full_out, shard)]
-        return _finish(works, None, async_op)
+        call = _named("all_gather", shard_in)
+        works = self._issue(call, (
+            dist.broadcast(piece, src=self._global[owner], group=self._data, async_op=True)
+            for owner, piece in self._pieces(full_out, shard)))
+        return _finish(works, None, async_op, self, call)
 
     def all_reduce_avg(self, tensor: torch.Tensor, async_op: bool = False):
         """tensor = its mean over ranks, in place."""
@@ -113,9 +159,22 @@ class Communicator:
             return dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=self.group,
                                    async_op=async_op)
         step = max(1, GLOO_PIECE_BYTES // tensor.element_size())
-        works = [dist.all_reduce(tensor[i:i + step], op=dist.ReduceOp.AVG, group=self.group,
-                                 async_op=True) for i in range(0, tensor.numel(), step)]
-        return _finish(works, None, async_op)
+        call = _named("all_reduce", tensor)
+        works = self._issue(call, (
+            dist.all_reduce(tensor[i:i + step], op=dist.ReduceOp.AVG, group=self._data,
+                            async_op=True) for i in range(0, tensor.numel(), step)))
+        return _finish(works, None, async_op, self, call)
+
+    def _issue(self, call: str, launches) -> list:
+        """The works of `launches` (a generator that issues one per item)."""
+        works = []
+        try:
+            for work in launches:
+                works.append(work)
+        except RuntimeError as error:     # a peer already gone
+            _drain(works)
+            raise self._failed(call, error) from error
+        return works
 
     def _pieces(self, full: torch.Tensor, shard: int):
         """(owner rank, view) over every rank's range of full, cut into
@@ -130,7 +189,10 @@ class Communicator:
         """The sum over ranks of a host float, in double, on the control group
         (whatever the data engine: nccl takes no CPU tensors)."""
         summed = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=self._control)
+        try:
+            dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=self._control)
+        except RuntimeError as error:
+            raise self._absent("the grad-norm all-reduce", error) from error
         return summed.item()
 
     def all_reduce_max_control(self, tensor: torch.Tensor, call: str) -> None:
@@ -181,11 +243,38 @@ class Communicator:
             raise self._absent(call, error) from error
         return everyone
 
-    def _absent(self, call: str, error: Exception) -> CollectiveMismatchError:
-        return CollectiveMismatchError(
-            f"rank {self.rank} entered {call} (its collective call #{self._calls}) but not "
-            f"every rank of the {self.world_size} did within {collective_timeout():.0f} s "
-            f"(RLHFZ_COLLECTIVE_TIMEOUT): {error}")
+    def _absent(self, call: str, error: Exception) -> CollectiveError:
+        """The error for a control collective that failed."""
+        where = f"rank {self.rank} entered {call} (its collective call #{self._calls}) but"
+        if _timed_out(error):
+            return CollectiveMismatchError(
+                f"{where} not every rank of the {self.world_size} did within "
+                f"{collective_timeout():.0f} s (RLHFZ_COLLECTIVE_TIMEOUT): {error}")
+        return CollectiveError(f"{where} {_LOST.format(n=self.world_size)}: {error}")
+
+    def _failed(self, call: str, error: Exception) -> CollectiveError:
+        """The error for a data collective that failed or timed out."""
+        if _timed_out(error):
+            what = (f"did not complete within {collective_timeout():.0f} s "
+                    f"(RLHFZ_COLLECTIVE_TIMEOUT): not every rank of the {self.world_size} took "
+                    f"part (one died, hangs, or is in another call)")
+        else:
+            what = f"failed: it {_LOST.format(n=self.world_size)}"
+        return CollectiveError(f"rank {self.rank}: {call} {what}. The ranks cannot go on "
+                               f"together: restart them and resume from the last checkpoint. "
+                               f"({error})")
+
+
+_LOST = "lost contact with another of the {n} ranks, whose process ended or failed"
+
+
+def _timed_out(error: Exception) -> bool:
+    text = str(error).lower()
+    return "timed out" in text or "timeout" in text
+
+
+def _named(call: str, tensor: torch.Tensor) -> str:
+    return f"{call} of {tensor.numel()} {str(tensor.dtype).replace('torch.', '')} elements"
 
 
 def _digest(value) -> int:

@@ -100,11 +100,12 @@ def _start_from_first_rank(comm, tensors: list) -> None:
                [(tuple(t.shape), str(t.dtype).replace("torch.", "")) for t in tensors])
     import torch.distributed as dist
     source = comm._global[0]
-    stage_on_host = comm.backend == "gloo"
+    group = getattr(comm, "_data", comm.group)      # under rlhfz's timeout on gloo
+    stage_on_host = dist.get_backend(group) == "gloo"
     with torch.no_grad():
         for t in tensors:
             staged = t.detach().cpu() if stage_on_host and t.device.type != "cpu" else t.detach()
-            dist.broadcast(staged, src=source, group=comm.group)
+            dist.broadcast(staged, src=source, group=group)
             if staged.data_ptr() != t.data_ptr():
                 t.copy_(staged)
 
