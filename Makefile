@@ -37,3 +37,42 @@ gpu-check:
 
 clean:
 	rm -rf build *.egg-info rlhfz/_C*.so .pytest_cache .benchmarks
+
+# Fuzz rlhfz's input boundaries (the DLPack importer, load_state_dict,
+# load_checkpoint) with 10000 generated cases per target; the default
+# test suite runs 200 of each.
+.PHONY: fuzz
+fuzz: install
+	RLHFZ_FUZZ_EXAMPLES=$${RLHFZ_FUZZ_EXAMPLES:-10000} $(PYTHON) -m pytest -q -s \
+		-p no:cacheprovider tests/test_fuzz_dlpack.py tests/test_fuzz_state.py \
+		tests/test_fuzz_checkpoint.py
+
+# The C code under AddressSanitizer + UBSan, or valgrind memcheck (tools/sanitize/run.py).
+# Each builds its own rlhfz._C under build/ and fails on any report.
+#   make sanitize      the whole CPU suite (long)
+#   make sanitize-ci   the C-heavy test files (a few minutes)
+#   make valgrind      the kernel, Buffer/DLPack and disk-tier tests under memcheck
+SANITIZE_TESTS ?= tests
+# the multi-rank checkpoint tests run the same C code as the one-rank ones, 5x slower under ASan
+SANITIZE_CI_TESTS ?= tests/test_kernels.py tests/test_buffer_dlpack.py tests/test_bad_input.py \
+	tests/test_disk_tier.py tests/test_offload.py tests/test_optim_api.py tests/test_checkpoint.py \
+	--deselect=tests/test_checkpoint.py::test_two_ranks_resume_bitwise_and_reshard \
+	--deselect=tests/test_checkpoint.py::test_a_failure_on_one_rank_fails_every_rank_and_changes_nothing
+VALGRIND_TESTS ?= tests/test_kernels.py tests/test_buffer_dlpack.py tests/test_disk_tier.py
+.PHONY: sanitize sanitize-ci valgrind
+
+sanitize: deps
+	$(PYTHON) tools/sanitize/run.py asan -q $(SANITIZE_TESTS)
+
+sanitize-ci: deps
+	$(PYTHON) tools/sanitize/run.py asan -q $(SANITIZE_CI_TESTS)
+
+valgrind: deps
+	$(PYTHON) tools/sanitize/run.py valgrind -q $(VALGRIND_TESTS)
+
+# Long soak: 2,000 offload/reload steps and 500 rounds of each gather_for_generation mode,
+# held to under 1% RSS growth after warm-up (the default suite runs a short version).
+.PHONY: soak
+soak: install
+	RLHFZ_SOAK_STEPS=$${RLHFZ_SOAK_STEPS:-2000} RLHFZ_SOAK_CYCLES=$${RLHFZ_SOAK_CYCLES:-500} \
+		$(PYTHON) -m pytest -q -s tests/test_soak.py

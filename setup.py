@@ -5,6 +5,8 @@ Environment:
   RLHFZ_CUDA=auto|0|1      auto: build the CUDA parts if nvcc is found
   RLHFZ_CUDA_ARCHS="80;90" compute capabilities to generate code for
   CUDA_HOME                where to look for nvcc and libcudart_static
+  RLHFZ_SANITIZE=1         AddressSanitizer + UBSan build for the CPU only (see
+                           tools/sanitize/); python needs libasan in LD_PRELOAD
 """
 import os
 import platform
@@ -28,6 +30,15 @@ SIMD_SOURCES = {
 COMMON_CFLAGS = ["-std=c11", "-O3", "-fvisibility=hidden", "-pthread",
                  "-Wall", "-Wextra", "-Wno-unused-parameter",
                  "-Wno-missing-field-initializers", "-Wno-cast-function-type"]
+SANITIZE = os.environ.get("RLHFZ_SANITIZE", "0").strip() == "1"
+# -O1 keeps stack traces readable; later flags override -O3 above.
+SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
+                  "-fno-omit-frame-pointer", "-g", "-O1"]
+# UBSan linked in and hidden: a shared libubsan would bind to the preloaded
+# libasan's copy of the report-path setter and ignore UBSAN_OPTIONS=log_path.
+SANITIZE_LINK_FLAGS = SANITIZE_FLAGS + ["-static-libubsan", "-Wl,--exclude-libs,ALL"]
+if SANITIZE:
+    COMMON_CFLAGS = COMMON_CFLAGS + SANITIZE_FLAGS
 
 
 def _sources(folder, suffix):
@@ -62,6 +73,10 @@ def _cuda_mode():
     mode = os.environ.get("RLHFZ_CUDA", "auto").strip().lower()
     if mode not in ("auto", "0", "1"):
         raise SystemExit(f"RLHFZ_CUDA must be auto, 0 or 1, not {mode!r}")
+    if SANITIZE:
+        if mode == "1":
+            raise SystemExit("RLHFZ_SANITIZE=1 builds for the CPU only; unset RLHFZ_CUDA=1")
+        return None
     if mode == "0":
         return None
     home = _find_cuda_home()
@@ -127,7 +142,8 @@ setup(
         include_dirs=["csrc", "kernels"],
         define_macros=DEFINES,
         extra_compile_args=COMMON_CFLAGS,
-        extra_link_args=["-pthread", "-ldl"],     # dlopen: the NCCL library
+        # dlopen: the NCCL library
+        extra_link_args=["-pthread", "-ldl"] + (SANITIZE_LINK_FLAGS if SANITIZE else []),
     )],
     cmdclass={"build_ext": BuildExt},
 )

@@ -120,6 +120,13 @@ int rlhfz_tier_alloc(rlhfz_tier *tier, int *device, size_t nbytes, size_t alignm
                      void **data)
 {
     *data = NULL;
+    /* No C object may exceed PTRDIFF_MAX bytes: refuse before an allocator
+     * sees a size that reads as negative. */
+    if (nbytes > PTRDIFF_MAX) {
+        PyErr_Format(PyExc_MemoryError, "could not allocate %zu bytes: more than any object "
+                     "can hold", nbytes);
+        return -1;
+    }
     const char *reason = NULL;
     if (*tier == RLHFZ_TIER_PINNED && !rlhfz_cuda_usable(&reason))
         *tier = RLHFZ_TIER_HOST;       /* pageable memory works, only slower to copy */

@@ -24,6 +24,7 @@ _LAZY = {
     "save_consolidated": ("rlhfz.checkpoint", "save_consolidated"),
     "load_consolidated": ("rlhfz.checkpoint", "load_consolidated"),
     "CheckpointError": ("rlhfz.checkpoint", "CheckpointError"),
+    "CollectiveError": ("rlhfz.comm", "CollectiveError"),
 }
 
 
@@ -76,5 +77,5 @@ def __dir__():
 
 __all__ = ["ZeroAdamW", "NonFiniteGradError", "offload", "reload", "offloaded",
            "gather_for_generation", "iter_full_params", "save_checkpoint", "load_checkpoint",
-           "save_consolidated", "load_consolidated", "CheckpointError", "build_info", "set_num_threads",
-           "get_num_threads", "__version__"]
+           "save_consolidated", "load_consolidated", "CheckpointError", "CollectiveError",
+           "build_info", "set_num_threads", "get_num_threads", "__version__"]

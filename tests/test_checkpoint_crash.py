@@ -127,7 +127,7 @@ def workdir():
 def spawn(workdir, **args):
     path, children = workdir
     env = dict(os.environ, RLHFZ_PROGRESS="0",
-               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+               PYTHONPATH=os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), ROOT])))
     log = os.path.join(path, f"child-{len(children)}.log")
     with open(log, "wb") as out:
         child = subprocess.Popen([sys.executable, HERE, json.dumps(args)], env=env, stdout=out,

@@ -26,7 +26,7 @@ def test_example_runs(script, marker, ranks):
               [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
                "--nproc-per-node", str(ranks), "--rdzv-backend", "c10d",
                "--rdzv-endpoint", f"127.0.0.1:{_free_port()}"])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), ROOT])),
                OMP_NUM_THREADS="1")
     done = subprocess.run(launch + [path], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

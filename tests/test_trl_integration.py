@@ -59,7 +59,7 @@ def _free_port():
                                        ("rloo", "gather"), ("rloo", "unit")])
 def test_two_ranks_stage3_under_torchrun(tmp_path, kind, mode):
     out = tmp_path / "result.pt"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")]),
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), ROOT, HERE])),
                OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
                "--nproc-per-node", "2", "--rdzv-backend", "c10d",

@@ -10,7 +10,9 @@ import warnings
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:     # under the test, PYTHONPATH has it, maybe after another build
+    sys.path.insert(0, ROOT)
 # The policy, tokenizer and reward the GRPO example trains with.
 from examples.grpo_tiny import even_words as reward_even_words  # noqa: E402
 from examples.grpo_tiny import policy, tokenizer  # noqa: E402,F401
