@@ -121,6 +121,15 @@ class Communicator:
         self._data = (dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
                       if self._gloo else process_group)
 
+    def destroy(self) -> None:
+        """Releases the groups rlhfz made (their sockets and gloo threads);
+        every rank calls it, and nothing collective works afterwards."""
+        own = [self._control] + ([self._data] if self._gloo else [])
+        self._control = self._data = None
+        for group in own:
+            if group is not None:
+                dist.destroy_process_group(group)
+
     def reduce_scatter(self, shard_out: torch.Tensor, full_in: torch.Tensor,
                        async_op: bool = False):
         """shard_out = the mean over ranks of this rank's range of full_in.

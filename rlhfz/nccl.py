@@ -121,3 +121,4 @@ class NativeNcclCommunicator(Communicator):
             self.stream.synchronize()
             self.nccl.destroy()
         self.stream.close()
+        super().destroy()

@@ -871,9 +871,10 @@ class ZeroAdamW(Optimizer):
 
     def close(self) -> None:
         """Releases what the optimizer holds outside Python's reach: the
-        native NCCL communicator (collectives="nccl"). Every rank calls it;
-        the optimizer cannot step afterwards. A no-op otherwise."""
-        if self.comm is not None and hasattr(self.comm, "destroy"):
+        process groups it made for its collectives (sockets, gloo threads)
+        and the native NCCL communicator (collectives="nccl"). Every rank
+        calls it; the optimizer cannot step afterwards. A no-op in one process."""
+        if self.comm is not None:
             self.comm.destroy()
 
     def __repr__(self) -> str:

@@ -138,6 +138,19 @@ def differently_shaped_models(rank, world_size):
     return None
 
 
+def sockets_after_close(rank, world_size):
+    """The open sockets before an optimizer, with it, and after its close():
+    a program that builds optimizers in a loop must not pile up groups."""
+    from soak_workers import socket_inodes
+    before = socket_inodes()
+    model = make_model()
+    opt = rlhfz.ZeroAdamW(groups(model), lr=1e-3, stage=2)
+    train(model, opt, batches(2), rank, world_size)
+    during = socket_inodes()
+    opt.close()
+    return {"before": len(before), "during": len(during), "after": len(socket_inodes())}
+
+
 def ddp_with_sharding_raises(rank, world_size):
     model = torch.nn.parallel.DistributedDataParallel(make_model())
     try:

@@ -119,6 +119,12 @@ def test_ranks_with_different_models_fail_at_construction():
         assert message is not None and "ZeroAdamW.add_param_group" in message, messages
 
 
+def test_close_releases_the_optimizers_process_groups():
+    for counts in run_ranks(workers.sockets_after_close, 3):
+        assert counts["during"] > counts["before"], counts
+        assert counts["after"] == counts["before"], counts
+
+
 def test_stage2_holds_no_full_grads():
     """Stage 2 keeps grad shards, two staging buckets and one scratch shard:
     never the model's full grads."""
