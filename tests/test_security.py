@@ -175,7 +175,10 @@ def colliding_random(tmp_path_factory):
 
 
 def _collide(library, directory, repeats: int) -> dict:
-    env = dict(os.environ, LD_PRELOAD=str(library), PYTHONPATH=ROOT)
+    # after any preload already there (a sanitizer runtime must stay first)
+    env = dict(os.environ, LD_PRELOAD=os.pathsep.join(filter(None, [os.environ.get("LD_PRELOAD"),
+                                                                    str(library)])),
+               PYTHONPATH=ROOT)
     done = subprocess.run([sys.executable, "-c", _COLLIDE, str(directory), str(repeats)],
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

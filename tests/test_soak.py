@@ -57,10 +57,11 @@ def _check_offload_soak(result, steps):
     assert set(result["placement"].values()) <= {"host", "device"}, result["placement"]
     warm, end = result["warm"], result["end"]
     assert end["fds"] == warm["fds"]
-    assert end["maps"] <= warm["maps"]
     assert end["objects"] - warm["objects"] <= OBJECT_SLACK, (warm["objects"], end["objects"])
-    growth = workers.growth_percent(warm["rss_kib"], end["rss_kib"])
-    assert growth < rss_bound_percent(steps, FULL_STEPS), (growth, result["rss_trace_kib"])
+    if workers.footprint_is_measurable():
+        assert end["maps"] <= warm["maps"]
+        growth = workers.growth_percent(warm["rss_kib"], end["rss_kib"])
+        assert growth < rss_bound_percent(steps, FULL_STEPS), (growth, result["rss_trace_kib"])
 
 
 def test_offload_reload_soak(tmp_path, one_torch_thread):
@@ -106,8 +107,10 @@ def test_gather_for_generation_soak():
         assert result["peak_bytes"] == result["model_bytes"]     # the full mode gathered it all
         warm, end = result["warm"], result["end"]
         assert end["fds"] == warm["fds"] and end["sockets"] == warm["sockets"]
-        assert end["maps"] <= warm["maps"]
         assert end["objects"] - warm["objects"] <= OBJECT_SLACK, (warm["objects"],
                                                                   end["objects"])
-        growth = workers.growth_percent(warm["rss_kib"], end["rss_kib"])
-        assert growth < rss_bound_percent(CYCLES, FULL_CYCLES), (growth, result["rss_trace_kib"])
+        if workers.footprint_is_measurable():
+            assert end["maps"] <= warm["maps"]
+            growth = workers.growth_percent(warm["rss_kib"], end["rss_kib"])
+            assert growth < rss_bound_percent(CYCLES, FULL_CYCLES), (growth,
+                                                                     result["rss_trace_kib"])
