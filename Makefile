@@ -63,9 +63,11 @@ VALGRIND_TESTS ?= tests/test_kernels.py tests/test_buffer_dlpack.py tests/test_d
 .PHONY: sanitize sanitize-ci valgrind
 
 sanitize: deps
+	bash tools/sanitize/install-clang.sh
 	$(PYTHON) tools/sanitize/run.py asan -q $(SANITIZE_TESTS)
 
 sanitize-ci: deps
+	bash tools/sanitize/install-clang.sh
 	$(PYTHON) tools/sanitize/run.py asan -q $(SANITIZE_CI_TESTS)
 
 valgrind: deps

@@ -5,14 +5,16 @@ Environment:
   RLHFZ_CUDA=auto|0|1      auto: build the CUDA parts if nvcc is found
   RLHFZ_CUDA_ARCHS="80;90" compute capabilities to generate code for
   CUDA_HOME                where to look for nvcc and libcudart_static
-  RLHFZ_SANITIZE=1         AddressSanitizer + UBSan build for the CPU only (see
-                           tools/sanitize/); python needs libasan in LD_PRELOAD
+  RLHFZ_SANITIZE=1         AddressSanitizer + UBSan build for the CPU only, with
+                           $CC (clang or gcc); python needs the ASan runtime in
+                           LD_PRELOAD (tools/sanitize/run.py sets both)
 """
 import os
 import platform
 import shutil
 import subprocess
 import sys
+import sysconfig
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -34,9 +36,18 @@ SANITIZE = os.environ.get("RLHFZ_SANITIZE", "0").strip() == "1"
 # -O1 keeps stack traces readable; later flags override -O3 above.
 SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
                   "-fno-omit-frame-pointer", "-g", "-O1"]
-# UBSan linked in and hidden: a shared libubsan would bind to the preloaded
-# libasan's copy of the report-path setter and ignore UBSAN_OPTIONS=log_path.
-SANITIZE_LINK_FLAGS = SANITIZE_FLAGS + ["-static-libubsan", "-Wl,--exclude-libs,ALL"]
+
+
+def _sanitize_link_flags():
+    """clang links its shared runtime, which holds UBSan's too. gcc links
+    UBSan in and hidden: a shared libubsan would bind to the preloaded
+    libasan's copy of the report-path setter and ignore UBSAN_OPTIONS=log_path."""
+    compiler = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()[0]
+    if "clang" in os.path.basename(compiler):
+        return SANITIZE_FLAGS + ["-shared-libsan"]
+    return SANITIZE_FLAGS + ["-static-libubsan", "-Wl,--exclude-libs,ALL"]
+
+
 if SANITIZE:
     COMMON_CFLAGS = COMMON_CFLAGS + SANITIZE_FLAGS
 
@@ -143,7 +154,7 @@ setup(
         define_macros=DEFINES,
         extra_compile_args=COMMON_CFLAGS,
         # dlopen: the NCCL library
-        extra_link_args=["-pthread", "-ldl"] + (SANITIZE_LINK_FLAGS if SANITIZE else []),
+        extra_link_args=["-pthread", "-ldl"] + (_sanitize_link_flags() if SANITIZE else []),
     )],
     cmdclass={"build_ext": BuildExt},
 )

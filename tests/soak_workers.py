@@ -18,7 +18,8 @@ def footprint_is_measurable() -> bool:
     a region per size class as first used and holds freed blocks in its
     quarantine, so RSS and the mapping count grow with no leak. Descriptors,
     files, Python objects and results are still checked there."""
-    return "libasan" not in os.environ.get("LD_PRELOAD", "")
+    preloaded = os.environ.get("LD_PRELOAD", "").replace(os.pathsep, " ").split()
+    return not any("asan" in os.path.basename(path) for path in preloaded)
 
 
 def settled_rss_kib() -> int:

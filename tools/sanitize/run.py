@@ -10,8 +10,11 @@ pytest from there. That directory then comes first on sys.path for pytest and
 for every child: `-c` and `-m` children through the working directory, spawned
 ranks through the parent's sys.path, scripts through PYTHONPATH.
 
-asan: reports go to build/sanitize/reports/<run>/ (one file per process that
-had one), and any such file fails the run. Leak detection is off (CPython and
+asan: built with clang and its runtime (Debian's clang-14 and
+libclang-rt-14-dev) where they are installed, else with gcc and libasan;
+RLHFZ_SANITIZE_CC names a compiler. Reports go to
+build/sanitize/reports/<run>/ (one file per process that had one), and any
+such file fails the run. Leak detection is off (CPython and
 torch keep memory at exit by design); valgrind looks for rlhfz's own leaks.
 
 valgrind: the release build (CPU only), PYTHONMALLOC=malloc. Errors and
@@ -122,34 +125,63 @@ def _reports_dir(variant: str) -> str:
     return path
 
 
+def _print_file_name(compiler: str, name: str) -> str:
+    """The library the compiler would link for name, or "" if it has none."""
+    path = subprocess.run([compiler, f"-print-file-name={name}"], check=True,
+                          capture_output=True, text=True).stdout.strip()
+    return os.path.realpath(path) if os.path.isabs(path) and os.path.exists(path) else ""
+
+
+def _asan_toolchain():
+    """(compiler, its ASan runtime): RLHFZ_SANITIZE_CC if set, else clang
+    with its runtime (Debian's clang-14 and libclang-rt-14-dev), else gcc
+    with libasan."""
+    wanted = os.environ.get("RLHFZ_SANITIZE_CC")
+    for compiler in [wanted] if wanted else ["clang", "clang-14", "gcc"]:
+        if not shutil.which(compiler):
+            continue
+        runtime = _print_file_name(compiler, "libclang_rt.asan-x86_64.so"
+                                   if "clang" in compiler else "libasan.so")
+        if runtime:
+            return compiler, runtime
+        if wanted:
+            raise SystemExit(f"{compiler} has no shared ASan runtime")
+    raise SystemExit(f"no compiler with an ASan runtime: {wanted or 'clang, clang-14, gcc'}")
+
+
 def run_asan(args) -> int:
-    build_env = dict(os.environ, RLHFZ_SANITIZE="1")
+    compiler, runtime = _asan_toolchain()
+    _say(f"compiler {compiler}, runtime {runtime}")
+    build_env = dict(os.environ, RLHFZ_SANITIZE="1", CC=compiler,
+                     LDSHARED=f"{compiler} -shared")
     build_env.pop("RLHFZ_CUDA", None)
-    pkg_root = _build("sanitize", build_env)
+    pkg_root = _build("sanitize-" + os.path.basename(compiler), build_env)
     so = glob.glob(os.path.join(pkg_root, "rlhfz", "_C*.so"))[0]
     ldd = subprocess.run(["ldd", so], check=True, capture_output=True, text=True).stdout
-    if "libasan" not in ldd:
-        raise SystemExit(f"{so} does not link libasan:\n{ldd}")
-    libasan, libstdcxx = (
-        os.path.realpath(subprocess.run(["gcc", f"-print-file-name={name}"], check=True,
-                                        capture_output=True, text=True).stdout.strip())
-        for name in ("libasan.so", "libstdc++.so"))
+    if os.path.basename(runtime).split(".so")[0] not in ldd:
+        raise SystemExit(f"{so} does not link {runtime}:\n{ldd}")
+    libstdcxx = _print_file_name("gcc", "libstdc++.so")
     reports = _reports_dir("sanitize")
     env = dict(os.environ)
+    # Reports name their source lines only through a symbolizer: clang's own, if any.
+    symbolizer = os.path.join(os.path.dirname(os.path.realpath(shutil.which(compiler))),
+                              "llvm-symbolizer")
+    if os.path.exists(symbolizer) and "ASAN_SYMBOLIZER_PATH" not in env:
+        env["ASAN_SYMBOLIZER_PATH"] = symbolizer
     env.update(
         # Python is not instrumented: the ASan runtime must be loaded first. libstdc++
         # too, or ASan finds no __cxa_throw to forward to and aborts on torch's C++ throws.
-        LD_PRELOAD=os.pathsep.join(filter(None, [libasan, libstdcxx,
+        LD_PRELOAD=os.pathsep.join(filter(None, [runtime, libstdcxx,
                                                  os.environ.get("LD_PRELOAD")])),
         # allocator_may_return_null: tests ask for absurd sizes and expect MemoryError.
         # quarantine_size_mb: tests check that RSS drops when buffers are freed, which
         # ASan's default 256 MiB of quarantine would hold; freed big buffers are then
         # unmapped at once, so a late access still faults and is reported.
         ASAN_OPTIONS=":".join(filter(None, [
-            f"log_path={reports}/asan", "detect_leaks=0", "allocator_may_return_null=1",
+            f"log_path={reports}/report", "detect_leaks=0", "allocator_may_return_null=1",
             "quarantine_size_mb=16", os.environ.get("ASAN_OPTIONS")])),
         UBSAN_OPTIONS=":".join(filter(None, [
-            f"log_path={reports}/ubsan", "print_stacktrace=1", "halt_on_error=1",
+            f"log_path={reports}/report", "print_stacktrace=1", "halt_on_error=1",
             os.environ.get("UBSAN_OPTIONS")])),
         # Every Python object through malloc: ASan then sees refcount errors too.
         PYTHONMALLOC=os.environ.get("PYTHONMALLOC", "malloc"),
