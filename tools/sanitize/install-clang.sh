@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Installs clang and its sanitizer runtimes from Debian's packages when they are
-# missing, for `make sanitize`. Without root or apt, run.py falls back to gcc's
-# libasan, and says so.
+# Installs clang, its sanitizer runtimes and llvm-symbolizer from Debian's
+# packages when clang is missing, for `make sanitize`. Without root or apt,
+# run.py falls back to gcc's libasan, and says so.
 set -u
 if command -v clang >/dev/null 2>&1 || command -v clang-14 >/dev/null 2>&1; then
     exit 0
@@ -18,9 +18,9 @@ if [ "$(id -u)" != 0 ]; then
     fi
 fi
 if ! $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
-        clang-14 libclang-rt-14-dev >/dev/null; then
+        clang-14 libclang-rt-14-dev llvm-14 >/dev/null; then
     $sudo apt-get update -q >/dev/null && $sudo env DEBIAN_FRONTEND=noninteractive \
-        apt-get install -y -q --no-install-recommends clang-14 libclang-rt-14-dev >/dev/null \
+        apt-get install -y -q --no-install-recommends clang-14 libclang-rt-14-dev llvm-14 >/dev/null \
         || echo "[sanitize] clang could not be installed: building with gcc's libasan"
 fi
 exit 0
