@@ -23,6 +23,7 @@ against 20 ms as broadcasts from each owner).
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import hashlib
 import os
@@ -39,17 +40,49 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+# Gloo collectives issued and not yet waited for (a prefetch left behind by an
+# exception, say). A gloo thread that finishes one during interpreter shutdown
+# drops its tensors there, needs the GIL to, and aborts the process; so at
+# exit they are waited for first, for at most EXIT_DRAIN_S seconds.
+_IN_FLIGHT: set = set()
+EXIT_DRAIN_S = 10.0
+
+
+def _track(pending: "_Pending") -> None:
+    done = [p for p in _IN_FLIGHT if all(w.is_completed() for w in p.works)]
+    _IN_FLIGHT.difference_update(done)
+    _IN_FLIGHT.add(pending)
+
+
+@atexit.register
+def _drain_at_exit() -> None:
+    deadline = time.monotonic() + min(EXIT_DRAIN_S, collective_timeout())
+    works = [w for pending in list(_IN_FLIGHT) for w in pending.works]
+    _IN_FLIGHT.clear()
+    for work in works:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=max(left, 1e-3)))
+        except RuntimeError:
+            pass
+
+
 class _Pending:
     """Collectives in flight, and what to do once they are all done."""
 
     def __init__(self, works, then, comm: "Communicator", call: str):
         self.works, self.then = works, then
         self.comm, self.call = comm, call
+        if comm._gloo and works:
+            _track(self)
 
     def wait(self) -> None:
         """Raises CollectiveError if they fail or are not all done within
         rlhfz's timeout (a failed wait leaves nothing in flight)."""
         deadline = time.monotonic() + collective_timeout()
+        _IN_FLIGHT.discard(self)
         try:
             while self.works:
                 # timedelta(0) would mean no limit: wait at least 1 ms

@@ -151,6 +151,26 @@ def sockets_after_close(rank, world_size):
     return {"before": len(before), "during": len(during), "after": len(socket_inodes())}
 
 
+def abandoned_collective_drained_at_exit(rank, world_size):
+    """An async all-gather dropped without a wait (as an exception leaves a
+    prefetch) stays tracked until the exit hook waits for it; waited ones
+    are not tracked."""
+    from rlhfz import comm
+    c = comm.Communicator()
+    n = 1 << 20
+    full = torch.full((world_size * n,), float(rank))
+    c.all_gather(torch.empty(world_size * 8), torch.ones(8))             # waited
+    after_sync = len(comm._IN_FLIGHT)
+    c.all_gather(full, full[rank * n:(rank + 1) * n], async_op=True)     # dropped
+    tracked = len(comm._IN_FLIGHT)
+    comm._drain_at_exit()
+    expected = torch.arange(world_size, dtype=torch.float32).repeat_interleave(n)
+    out = {"tracked": tracked, "after_sync": after_sync, "after_drain": len(comm._IN_FLIGHT),
+           "gathered": bool(torch.equal(full, expected))}
+    c.destroy()
+    return out
+
+
 def ddp_with_sharding_raises(rank, world_size):
     model = torch.nn.parallel.DistributedDataParallel(make_model())
     try:

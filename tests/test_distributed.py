@@ -125,6 +125,13 @@ def test_close_releases_the_optimizers_process_groups():
         assert counts["after"] == counts["before"], counts
 
 
+def test_a_collective_left_in_flight_is_finished_before_exit():
+    """Else a gloo thread finishing it during interpreter shutdown needs the
+    GIL to drop its tensors and aborts the process (SIGABRT, not exit 1)."""
+    for result in run_ranks(workers.abandoned_collective_drained_at_exit, 2):
+        assert result == {"tracked": 1, "after_sync": 0, "after_drain": 0, "gathered": True}
+
+
 def test_stage2_holds_no_full_grads():
     """Stage 2 keeps grad shards, two staging buckets and one scratch shard:
     never the model's full grads."""
