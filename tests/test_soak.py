@@ -22,6 +22,10 @@ FULL_STEPS, FULL_CYCLES = 2000, 500     # `make soak`: held to the strict bound
 # Objects that may appear once after warm-up (caches filled late); a leak
 # per step or cycle exceeds this within the short soak already.
 OBJECT_SLACK = 50
+# Mappings that may appear once after warm-up on a rank, where gloo's threads
+# and malloc's arenas come and go with the load (seen: 880 -> 881 once, with
+# the machine busy); a leak per round exceeds this within the short soak.
+RANK_MAPS_SLACK = 4
 
 
 def rss_bound_percent(length: int, full: int) -> float:
@@ -110,7 +114,7 @@ def test_gather_for_generation_soak():
         assert end["objects"] - warm["objects"] <= OBJECT_SLACK, (warm["objects"],
                                                                   end["objects"])
         if workers.footprint_is_measurable():
-            assert end["maps"] <= warm["maps"]
+            assert end["maps"] <= warm["maps"] + RANK_MAPS_SLACK, (warm["maps"], end["maps"])
             growth = workers.growth_percent(warm["rss_kib"], end["rss_kib"])
             assert growth < rss_bound_percent(CYCLES, FULL_CYCLES), (growth,
                                                                      result["rss_trace_kib"])
