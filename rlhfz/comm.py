@@ -49,7 +49,7 @@ EXIT_DRAIN_S = 10.0
 
 
 def _track(pending: "_Pending") -> None:
-    done = [p for p in _IN_FLIGHT if all(w.is_completed() for w in p.works)]
+    done = [p for p in list(_IN_FLIGHT) if all(w.is_completed() for w in p.works)]
     _IN_FLIGHT.difference_update(done)
     _IN_FLIGHT.add(pending)
 

@@ -24,6 +24,7 @@ valgrind-python.supp, and what is left outside rlhfz is listed, not counted.
 """
 import glob
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -140,7 +141,7 @@ def _asan_toolchain():
     for compiler in [wanted] if wanted else ["clang", "clang-14", "gcc"]:
         if not shutil.which(compiler):
             continue
-        runtime = _print_file_name(compiler, "libclang_rt.asan-x86_64.so"
+        runtime = _print_file_name(compiler, f"libclang_rt.asan-{platform.machine()}.so"
                                    if "clang" in compiler else "libasan.so")
         if runtime:
             return compiler, runtime
