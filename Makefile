@@ -43,7 +43,8 @@ clean:
 # test suite runs 200 of each.
 .PHONY: fuzz
 fuzz: install
-	RLHFZ_FUZZ_EXAMPLES=$${RLHFZ_FUZZ_EXAMPLES:-10000} $(PYTHON) -m pytest -q -s \
+	RLHFZ_FUZZ_EXAMPLES=$${RLHFZ_FUZZ_EXAMPLES:-10000} RLHFZ_FUZZ_RANDOM=$${RLHFZ_FUZZ_RANDOM:-1} \
+		$(PYTHON) -m pytest -q -s \
 		-p no:cacheprovider tests/test_fuzz_dlpack.py tests/test_fuzz_state.py \
 		tests/test_fuzz_checkpoint.py
 

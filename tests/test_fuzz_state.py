@@ -235,7 +235,8 @@ def mutations(draw, sd):
             done.append(op)
         elif op == "master_param" and key is not None and isinstance(state[key], dict) \
                 and torch.is_tensor(state[key].get("exp_avg")):
-            state[key]["master_param"] = state[key]["exp_avg"].clone() + 1
+            # a leaf, as in a loaded dict, even beside an exp_avg that requires grad
+            state[key]["master_param"] = state[key]["exp_avg"].detach() + 1
             done.append(op)
         elif op == "duplicate_index" and len(groups[g]["params"]) > 1:
             params = groups[g]["params"]
