@@ -40,7 +40,7 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-# Gloo collectives issued and not yet waited for (a prefetch left behind by an
+# Async gloo collectives issued and not yet waited for (a prefetch left by an
 # exception, say). A gloo thread that finishes one during interpreter shutdown
 # drops its tensors there, needs the GIL to, and aborts the process; so at
 # exit they are waited for first, for at most EXIT_DRAIN_S seconds.
@@ -75,8 +75,6 @@ class _Pending:
     def __init__(self, works, then, comm: "Communicator", call: str):
         self.works, self.then = works, then
         self.comm, self.call = comm, call
-        if comm._gloo and works:
-            _track(self)
 
     def wait(self) -> None:
         """Raises CollectiveError if they fail or are not all done within
@@ -112,6 +110,8 @@ def _drain(works) -> None:
 def _finish(works, then, async_op: bool, comm: "Communicator", call: str):
     pending = _Pending(works, then, comm, call)
     if async_op:
+        if comm._gloo and works:
+            _track(pending)
         return pending
     pending.wait()
     return None

@@ -17,10 +17,11 @@ if [ "$(id -u)" != 0 ]; then
         exit 0
     fi
 fi
-if ! $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
-        clang-14 libclang-rt-14-dev llvm-14 >/dev/null; then
-    $sudo apt-get update -q >/dev/null && $sudo env DEBIAN_FRONTEND=noninteractive \
-        apt-get install -y -q --no-install-recommends clang-14 libclang-rt-14-dev llvm-14 >/dev/null \
-        || echo "[sanitize] clang could not be installed: building with gcc's libasan"
-fi
+install() {
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+        clang-14 libclang-rt-14-dev llvm-14 >/dev/null
+}
+# the package lists may be missing on a fresh machine: refreshed only if needed
+install || { $sudo apt-get update -q >/dev/null && install; } \
+    || echo "[sanitize] clang could not be installed: building with gcc's libasan"
 exit 0
