@@ -9,10 +9,11 @@ TORCH_PIN ?= torch==2.13.0
 # nvidia-nccl-cu13: the NCCL library the native communicator loads (its tests run without a GPU)
 # transformers, trl: stage 3 is tested on GPT-2 and Llama models built from configs, and the
 # TRL twin against TRL's own signature; requests: TRL's trainers import it (GRPO/RLOO tests)
-DEPS := $(TORCH_PIN) numpy pytest pytest-benchmark hypothesis "setuptools>=64" wheel \
+# build: the sdist that make wheel-check builds the wheel from
+DEPS := $(TORCH_PIN) numpy pytest pytest-benchmark hypothesis "setuptools>=64" wheel build \
 	nvidia-nccl-cu13 transformers trl==1.13.0 requests
 
-.PHONY: deps install demo test bench gpu-check clean
+.PHONY: deps install demo test wheel-check bench gpu-check clean
 
 deps:
 	$(PIP) install --quiet --disable-pip-version-check $(DEPS)
@@ -25,6 +26,11 @@ demo: install
 
 test: install
 	$(PYTHON) -m pytest -q tests
+
+# What pip users get: sdist -> wheel -> a fresh virtual environment, every
+# module imported and the first tests run from outside the tree.
+wheel-check: deps
+	$(PYTHON) tools/wheel/check.py
 
 bench: install
 	$(PYTHON) -m pytest -q benchmarks --benchmark-columns=min,mean,stddev,rounds \
@@ -39,12 +45,15 @@ clean:
 	rm -rf build *.egg-info rlhfz/_C*.so .pytest_cache .benchmarks
 
 # Fuzz rlhfz's input boundaries (the DLPack importer, load_state_dict,
-# load_checkpoint) with 10000 generated cases per target; the default
-# test suite runs 200 of each.
+# load_checkpoint) with 10000 freshly drawn cases per target; the default
+# test suite runs 200 fixed ones of each. The draws come from
+# RLHFZ_FUZZ_SEED, printed first: set it to replay a run exactly.
 .PHONY: fuzz
 fuzz: install
-	RLHFZ_FUZZ_EXAMPLES=$${RLHFZ_FUZZ_EXAMPLES:-10000} RLHFZ_FUZZ_RANDOM=$${RLHFZ_FUZZ_RANDOM:-1} \
-		$(PYTHON) -m pytest -q -s \
+	@seed=$${RLHFZ_FUZZ_SEED:-$$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')}; \
+	echo "make fuzz: RLHFZ_FUZZ_SEED=$$seed (set it to replay these draws)"; \
+	RLHFZ_FUZZ_SEED=$$seed RLHFZ_FUZZ_EXAMPLES=$${RLHFZ_FUZZ_EXAMPLES:-10000} \
+		RLHFZ_FUZZ_RANDOM=$${RLHFZ_FUZZ_RANDOM:-1} $(PYTHON) -m pytest -q -s \
 		-p no:cacheprovider tests/test_fuzz_dlpack.py tests/test_fuzz_state.py \
 		tests/test_fuzz_checkpoint.py
 

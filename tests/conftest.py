@@ -16,3 +16,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") and not _cuda_available():
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device (none visible here)"))
+
+
+def pytest_configure(config):
+    """Where a run must test an installed rlhfz (the wheel, or the simulated
+    build's environment), the tree must not stand in for it."""
+    import os
+    expected = os.environ.get("RLHFZ_EXPECT_INSTALLED_UNDER")
+    if expected:
+        where = os.path.realpath(rlhfz.__file__)
+        if not where.startswith(os.path.realpath(expected) + os.sep):
+            raise pytest.UsageError(f"rlhfz was imported from {where}, not from the "
+                                    f"installation under {expected}")

@@ -5,17 +5,21 @@ rule every case obeys (a clean exception of a named family, or success).
 RLHFZ_FUZZ_EXAMPLES sets the cases per target (200 by default;
 `make fuzz` runs 10000). The default suite draws the same cases every run, so
 that CI is repeatable; RLHFZ_FUZZ_RANDOM=1 (which `make fuzz` sets) draws new
-ones each time, to explore."""
+ones each time, to explore, from the seed RLHFZ_FUZZ_SEED (make fuzz picks one
+and prints it; set it again to replay a failing run exactly)."""
 import contextlib
 import faulthandler
 import os
 import sys
 import time
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, seed, settings
 
 EXAMPLES = int(os.environ.get("RLHFZ_FUZZ_EXAMPLES", "200"))
 RANDOM = os.environ.get("RLHFZ_FUZZ_RANDOM", "0") == "1"
+# Fresh draws come from this seed, so that a failure can be replayed.
+SEED = (int(os.environ["RLHFZ_FUZZ_SEED"]) if os.environ.get("RLHFZ_FUZZ_SEED")
+        else int.from_bytes(os.urandom(4), "little")) if RANDOM else None
 # One case takes milliseconds: this much means a hang.
 CASE_TIMEOUT_S = float(os.environ.get("RLHFZ_FUZZ_CASE_TIMEOUT", "60"))
 
@@ -25,9 +29,15 @@ NEVER = (SystemError, MemoryError, RecursionError)
 
 
 def fuzz_settings(examples=None):
-    return settings(max_examples=examples or EXAMPLES, deadline=None, database=None,
-                    derandomize=not RANDOM, print_blob=True,
-                    suppress_health_check=list(HealthCheck))
+    """Hypothesis settings for a fuzz target, and the seed of a random run."""
+    chosen = settings(max_examples=examples or EXAMPLES, deadline=None, database=None,
+                      derandomize=not RANDOM, print_blob=True,
+                      suppress_health_check=list(HealthCheck))
+
+    def apply(test):
+        test = chosen(test)
+        return seed(SEED)(test) if SEED is not None else test
+    return apply
 
 
 @contextlib.contextmanager
@@ -58,7 +68,9 @@ class Tally:
         expected = EXAMPLES if expected is None else expected
         seconds = time.perf_counter() - self.started
         kinds = ", ".join(f"{k}: {v}" for k, v in sorted(self.outcomes.items()))
-        line = f"fuzz {self.target}: {self.cases} cases in {seconds:.1f} s ({kinds})"
+        drawn = f"seed {SEED}" if SEED is not None else "fixed draws"
+        line = (f"fuzz {self.target}: {self.cases} cases in {seconds:.1f} s ({kinds}; "
+                f"{drawn})")
         print("\n" + line, file=sys.__stdout__, flush=True)
         assert self.cases >= expected, f"{line}: fewer than the {expected} asked for"
 

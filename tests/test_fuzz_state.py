@@ -66,6 +66,16 @@ def bad_tensor(draw, t):
     return {"list": t.tolist(), "number": 1.0, "none": None}[kind]
 
 
+def with_nonfinite(t, index, kind):
+    """A copy of t (strides kept: an earlier mutation may have made it
+    non-contiguous) with one element, the index-th in row-major order, NaN
+    or Inf."""
+    out = t.clone()
+    position = tuple(int(i) for i in torch.unravel_index(torch.tensor(index), out.shape))
+    out[position] = float(kind)
+    return out
+
+
 def good_tensor(draw, t):
     t = t.detach()                  # a leaf, as a loaded dict's tensors are
     kind = draw(st.sampled_from(["float64", "bfloat16", "float16", "nan", "inf", "strided",
@@ -73,9 +83,7 @@ def good_tensor(draw, t):
     if kind in ("float64", "bfloat16", "float16"):
         return t.to(getattr(torch, kind))
     if kind in ("nan", "inf") and t.numel():
-        out = t.clone()
-        out.view(-1)[draw(st.integers(0, out.numel() - 1))] = float(kind)
-        return out
+        return with_nonfinite(t, draw(st.integers(0, t.numel() - 1)), kind)
     if kind == "strided" and t.dim() == 2:
         return t.t().contiguous().t()
     if kind == "grad":
@@ -317,3 +325,22 @@ def test_fuzz_load_state_dict(options):
 
     case()
     tally.report()
+
+
+@pytest.mark.parametrize("kind", ["nan", "inf"])
+def test_a_strided_state_with_a_nonfinite_element_loads_as_torch_loads_it(kind):
+    """A draw that make fuzz once failed on in its own generator: the
+    "strided" mutation, then "nan" on the same tensor."""
+    model, opt = trained()
+    reference = torch.optim.AdamW(groups_of(model), lr=1e-2, weight_decay=0.1)
+    sd = copy.deepcopy(opt.state_dict())
+    entry = sd["state"][0]                          # the first Linear's weight: 2-D
+    strided = entry["exp_avg"].t().contiguous().t()
+    assert not strided.is_contiguous()
+    entry["exp_avg"] = with_nonfinite(strided, 11, kind)
+    assert not entry["exp_avg"].is_contiguous()
+    assert not reference_refuses(sd, opt.param_groups)
+    opt.load_state_dict(copy.deepcopy(sd))
+    assert_like_torch(opt, reference, sd)
+    flat = opt.state[model[0].weight]["exp_avg"].reshape(-1)
+    assert (torch.isnan(flat[11]) if kind == "nan" else torch.isinf(flat[11]))
