@@ -1,7 +1,7 @@
 # rlhfz: two commands do all the set-up on a fresh machine.
 #   make demo   build, install, and train the demo model with ZeroAdamW beside torch.optim.AdamW
 #   make test   build, install, and run the test suite
-#   make gpu-check  (on a GPU machine) build, run the GPU tests and benchmarks, print a summary
+#   make gpu-check  (on a GPU machine) build, run the GPU benchmarks and tests, write a summary
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 # torch is pinned: the CPU wheel; an unpinned torch pulls a multi-GB CUDA build.
@@ -10,10 +10,11 @@ TORCH_PIN ?= torch==2.13.0
 # transformers, trl: stage 3 is tested on GPT-2 and Llama models built from configs, and the
 # TRL twin against TRL's own signature; requests: TRL's trainers import it (GRPO/RLOO tests)
 # build: the sdist that make wheel-check builds the wheel from
-DEPS := $(TORCH_PIN) numpy pytest pytest-benchmark hypothesis "setuptools>=64" wheel build \
-	nvidia-nccl-cu13 transformers trl==1.13.0 requests
+# pytest-timeout: make gpu-check's limit per test
+DEPS := $(TORCH_PIN) numpy pytest pytest-benchmark pytest-timeout hypothesis "setuptools>=64" \
+	wheel build nvidia-nccl-cu13 transformers trl==1.13.0 requests
 
-.PHONY: deps install demo test wheel-check bench gpu-check clean
+.PHONY: deps install demo test wheel-check bench gpu-check gpu-sanitize clean
 
 deps:
 	$(PIP) install --quiet --disable-pip-version-check $(DEPS)
@@ -32,14 +33,46 @@ test: install
 wheel-check: deps
 	$(PYTHON) tools/wheel/check.py
 
+# The GPU paths on the simulated CUDA runtime and NCCL stand-in (sim/): built
+# with RLHFZ_CUDA=sim into a virtual environment of its own (the production
+# build stays untouched), gcov and Python coverage reported.
+SIM_DEPS := coverage gcovr
+SIM_TESTS ?= tests/test_sim_runtime.py tests/test_cuda_kernels.py tests/test_cuda_buffers.py \
+	tests/test_cuda_ops_args.py tests/test_cuda_optim.py tests/test_offload_cuda.py \
+	tests/test_cuda_collectives.py tests/test_nccl.py tests/test_nccl_sim.py
+sim-deps: deps
+	$(PIP) install --quiet --disable-pip-version-check $(SIM_DEPS) -c constraints.txt
+
+test-sim: sim-deps
+	$(PYTHON) tools/sim/run.py --coverage $(SIM_TESTS)
+
 bench: install
 	$(PYTHON) -m pytest -q benchmarks --benchmark-columns=min,mean,stddev,rounds \
 		--benchmark-group-by=group
 
-# A GPU machine keeps its own CUDA torch (and may have no network): build only.
+# A GPU machine keeps its own CUDA torch (and may have no network): build rlhfz in
+# place for sm_90 (~20 s), install nothing. Then the benchmarks and the GPU tests,
+# each phase under a time limit, 21 minutes at most (gpu_check.py --dry-run prints
+# the plan). Results in GPU_CHECK_OUT: summary.md (for benchmarks/RESULTS.md), one
+# archive of the logs, junit XML and benchmark JSON, and the build's log.
+#   e.g. make gpu-check GPU_CHECK_OUT="$OUT" GPU_CHECK_ARGS="--no-tests --budget 540"
+# make gpu-sanitize: the kernel tests under compute-sanitizer (memcheck, racecheck,
+# synccheck), after checking that it works here; exit 2, with the reason, if not.
+GPU_CHECK_OUT ?= $(or $(RLHFZ_GPU_CHECK_OUT),build/gpu-check)
+GPU_CHECK_ARGS ?=
+GPU_BUILD = @mkdir -p "$(GPU_CHECK_OUT)"; \
+	echo "building rlhfz in place for sm_90 (log: $(GPU_CHECK_OUT)/build.log)"; \
+	RLHFZ_CUDA=1 RLHFZ_CUDA_ARCHS=90 $(PYTHON) setup.py build_ext --inplace \
+		> "$(GPU_CHECK_OUT)/build.log" 2>&1 \
+		|| { tail -n 60 "$(GPU_CHECK_OUT)/build.log"; echo "the build failed"; exit 1; }
+
 gpu-check:
-	$(PIP) install --quiet --disable-pip-version-check --no-build-isolation --no-deps -e .
-	$(PYTHON) benchmarks/gpu_check.py
+	$(GPU_BUILD)
+	$(PYTHON) benchmarks/gpu_check.py --out "$(GPU_CHECK_OUT)" $(GPU_CHECK_ARGS)
+
+gpu-sanitize:
+	$(GPU_BUILD)
+	$(PYTHON) benchmarks/gpu_check.py --sanitizer --out "$(GPU_CHECK_OUT)" $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf build *.egg-info rlhfz/_C*.so .pytest_cache .benchmarks

@@ -18,7 +18,8 @@ copy bound, and >= 1.1x torch fused at 1B. Every timed call synchronizes
 the device, so wall time is GPU time; a synchronize before each round
 starts it on an idle device.
 
-Run: make gpu-check   (or: python -m pytest benchmarks/test_bench_adamw_cuda.py)
+Run: make gpu-check   (or: python -m pytest benchmarks/test_bench_adamw_cuda.py,
+with -k 100M or -k 1B for one size, as make gpu-check runs them)
 """
 import gc
 

@@ -226,7 +226,7 @@ static PyObject *Buffer_view(rlhfz_Buffer *self, PyObject *const *args, Py_ssize
 
 static PyObject *Buffer_zero_(rlhfz_Buffer *self, PyObject *unused)
 {
-    if (rlhfz_tier_zero(self->tier, self->data, self->nbytes) < 0)
+    if (rlhfz_tier_zero(self->tier, self->device, self->data, self->nbytes) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
@@ -277,8 +277,18 @@ static PyObject *Buffer_copy_from(rlhfz_Buffer *self, PyObject *const *args, Py_
         return NULL;
     if (src == self || self->nbytes == 0)
         Py_RETURN_NONE;
-    int any_cuda = src->tier == RLHFZ_TIER_DEVICE || self->tier == RLHFZ_TIER_DEVICE;
-    if (rlhfz_tier_copy_on(self->data, src->data, self->nbytes, any_cuda, stream, !non_blocking) < 0)
+    /* A copy runs on the device of its device memory; one between two
+     * devices would need peer access, which rlhfz never sets up. */
+    if (src->tier == RLHFZ_TIER_DEVICE && self->tier == RLHFZ_TIER_DEVICE &&
+        src->device != self->device) {
+        PyErr_Format(PyExc_ValueError, "copy_from: src is on CUDA device %d and this buffer on "
+                     "%d; copies between devices are not supported (go through host memory)",
+                     src->device, self->device);
+        return NULL;
+    }
+    int device = self->tier == RLHFZ_TIER_DEVICE ? self->device
+                 : src->tier == RLHFZ_TIER_DEVICE ? src->device : -1;
+    if (rlhfz_tier_copy_on(self->data, src->data, self->nbytes, device, stream, !non_blocking) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
@@ -582,11 +592,12 @@ static int parse_int_pair(PyObject *obj, const char *what, long *first, long *se
     return 0;
 }
 
-static void fill_tensor(DLTensor *tensor, rlhfz_BufferView *view, rlhfz_Buffer *buffer,
+/* base: where the export says the buffer starts (rlhfz_tier_export). */
+static void fill_tensor(DLTensor *tensor, rlhfz_BufferView *view, void *base,
                         DLDevice device, int64_t *shape, int64_t *strides)
 {
     size_t itemsize = rlhfz_dtype_size(view->dtype);
-    tensor->data = buffer->data;
+    tensor->data = base;
     tensor->byte_offset = (uint64_t)(view->offset * itemsize);
     tensor->device = device;
     tensor->ndim = view->ndim;
@@ -610,7 +621,11 @@ static PyObject *BufferView_dlpack(rlhfz_BufferView *self, PyObject *const *args
         return NULL;
     PyObject *stream = slots[0], *max_version = slots[1], *dl_device = slots[2], *copy = slots[3];
     rlhfz_Buffer *source = self->buffer;
-    DLDevice here = rlhfz_tier_dl_device(source->tier, source->device);
+    DLDevice here;
+    void *base;
+    if (rlhfz_tier_export(source->tier, source->device, source->data, source->nbytes, &here,
+                          &base) < 0)
+        return NULL;
     if (stream != NULL && stream != Py_None) {
         /* Host memory needs no stream ordering; the array API asks for None. */
         if (here.device_type != kDLCUDA) {
@@ -687,12 +702,19 @@ static PyObject *BufferView_dlpack(rlhfz_BufferView *self, PyObject *const *args
         if (buffer == NULL)
             return NULL;
         const char *from = (const char *)source->data + self->offset * rlhfz_dtype_size(self->dtype);
-        if (rlhfz_tier_copy(buffer->data, from, nbytes, tier == RLHFZ_TIER_DEVICE) < 0) {
+        if (rlhfz_tier_copy(buffer->data, from, nbytes,
+                            tier == RLHFZ_TIER_DEVICE ? buffer->device : -1) < 0) {
             Py_DECREF(buffer);
             return NULL;
         }
         copied_view.offset = 0;
         view = &copied_view;
+        DLDevice copied_device;
+        if (rlhfz_tier_export(buffer->tier, buffer->device, buffer->data, buffer->nbytes,
+                              &copied_device, &base) < 0) {
+            Py_DECREF(buffer);
+            return NULL;
+        }
     } else {
         Py_INCREF(buffer);
     }
@@ -709,7 +731,7 @@ static PyObject *BufferView_dlpack(rlhfz_BufferView *self, PyObject *const *args
         out->managed.manager_ctx = buffer;
         out->managed.deleter = versioned_deleter;
         out->managed.flags = want_copy ? RLHFZ_DLPACK_FLAG_IS_COPIED : 0;
-        fill_tensor(&out->managed.dl_tensor, view, buffer, here, out->shape, out->strides);
+        fill_tensor(&out->managed.dl_tensor, view, base, here, out->shape, out->strides);
         buffer->exports++;
         capsule = PyCapsule_New(&out->managed, "dltensor_versioned", versioned_capsule_destructor);
         if (capsule == NULL) {
@@ -725,7 +747,7 @@ static PyObject *BufferView_dlpack(rlhfz_BufferView *self, PyObject *const *args
         }
         out->managed.manager_ctx = buffer;
         out->managed.deleter = legacy_deleter;
-        fill_tensor(&out->managed.dl_tensor, view, buffer, here, out->shape, out->strides);
+        fill_tensor(&out->managed.dl_tensor, view, base, here, out->shape, out->strides);
         buffer->exports++;
         capsule = PyCapsule_New(&out->managed, "dltensor", legacy_capsule_destructor);
         if (capsule == NULL) {
@@ -739,7 +761,12 @@ static PyObject *BufferView_dlpack(rlhfz_BufferView *self, PyObject *const *args
 
 static PyObject *BufferView_dlpack_device(rlhfz_BufferView *self, PyObject *unused)
 {
-    DLDevice here = rlhfz_tier_dl_device(self->buffer->tier, self->buffer->device);
+    rlhfz_Buffer *buffer = self->buffer;
+    DLDevice here;
+    void *base;
+    if (rlhfz_tier_export(buffer->tier, buffer->device, buffer->data, buffer->nbytes, &here,
+                          &base) < 0)
+        return NULL;
     return Py_BuildValue("(ii)", (int)here.device_type, (int)here.device_id);
 }
 

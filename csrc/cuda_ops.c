@@ -18,9 +18,12 @@
 #include "rlhfz_cuda.h"
 #endif
 
-/* A device Buffer of at least min_bytes on `device`, as a device pointer. */
+/* A device Buffer of at least min_bytes on `device`, as a device pointer,
+ * whose first min_bytes (what the kernel touches) lie apart from every array
+ * borrowed in b: a kernel that writes an array while it reads its factor or
+ * flag from the same bytes gives garbage (and races, on a GPU). */
 static int device_scalar(PyObject *module, PyObject *obj, const char *name, size_t min_bytes,
-                         int device, void **ptr)
+                         int device, const rlhfz_borrowed *b, void **ptr)
 {
     rlhfz_state *state = rlhfz_get_state(module);
     if (!PyObject_TypeCheck(obj, state->Buffer_type)) {
@@ -44,6 +47,11 @@ static int device_scalar(PyObject *module, PyObject *obj, const char *name, size
                      buffer->nbytes, min_bytes);
         return -1;
     }
+    rlhfz_array scalar = {.data = buffer->data, .dtype = RLHFZ_DTYPE_F32,
+                          .numel = (min_bytes + 3) / 4};
+    for (int i = 0; i < b->count; i++)
+        if (rlhfz_check_disjoint(&scalar, name, &b->items[i], "an array of the call") < 0)
+            return -1;
     *ptr = buffer->data;
     return 0;
 }
@@ -180,10 +188,10 @@ static PyObject *cuda_adamw_step(PyObject *module, PyObject *const *args, Py_ssi
     if (rlhfz_adamw_shard_from_args(module, &b, slots + MASTER, RLHFZ_PLACE_CUDA, stream, &a.shard,
                                     &device) < 0 ||
         (slots[SKIP_IF] != NULL && slots[SKIP_IF] != Py_None &&
-         device_scalar(module, slots[SKIP_IF], "skip_if", sizeof(int), device, &skip_if) < 0) ||
+         device_scalar(module, slots[SKIP_IF], "skip_if", sizeof(int), device, &b, &skip_if) < 0) ||
         (slots[DEVICE_HPARAMS] != NULL && slots[DEVICE_HPARAMS] != Py_None &&
          device_scalar(module, slots[DEVICE_HPARAMS], "device_hparams",
-                       sizeof(rlhfz_adamw_hparams), device, &device_hparams) < 0)) {
+                       sizeof(rlhfz_adamw_hparams), device, &b, &device_hparams) < 0)) {
         rlhfz_borrowed_release(&b);
         return NULL;
     }
@@ -218,8 +226,8 @@ static PyObject *cuda_sumsq(PyObject *module, PyObject *const *args, Py_ssize_t 
         return NULL;
     int device = x->device.device_id;
     size_t workspace_bytes = sumsq_workspace_bytes();
-    if (device_scalar(module, slots[OUT], "out", sizeof(double), device, &a.scalar) < 0 ||
-        device_scalar(module, slots[WORKSPACE], "workspace", workspace_bytes, device,
+    if (device_scalar(module, slots[OUT], "out", sizeof(double), device, &b, &a.scalar) < 0 ||
+        device_scalar(module, slots[WORKSPACE], "workspace", workspace_bytes, device, &b,
                       &a.workspace) < 0) {
         rlhfz_borrowed_release(&b);
         return NULL;
@@ -250,7 +258,7 @@ static int elementwise_args(PyObject *module, rlhfz_borrowed *b, PyObject *x_obj
     a->n = x->numel;
     a->scalar = NULL;
     if (scalar_obj != NULL && scalar_obj != Py_None &&
-        device_scalar(module, scalar_obj, scalar_name, scalar_bytes, *device, &a->scalar) < 0)
+        device_scalar(module, scalar_obj, scalar_name, scalar_bytes, *device, b, &a->scalar) < 0)
         return -1;
     return 0;
 }

@@ -273,7 +273,24 @@ static PyObject *CudaEvent_synchronize(rlhfz_CudaEvent *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+static PyObject *CudaEvent_query(rlhfz_CudaEvent *self, PyObject *unused)
+{
+    if (closed_error(self->handle, "CudaEvent") < 0)
+        return NULL;
+    int done = 1;
+#ifdef RLHFZ_WITH_CUDA
+    if (rlhfz_cuda_event_query(self->handle, &done) != RLHFZ_OK) {
+        rlhfz_raise_cuda("CudaEvent.query");
+        return NULL;
+    }
+#endif
+    return PyBool_FromLong(done);
+}
+
 static PyMethodDef CudaEvent_methods[] = {
+    {"query", (PyCFunction)CudaEvent_query, METH_NOARGS,
+     "query() -> bool: whether the recorded work is done (never blocks; an event never\n"
+     "recorded is done)."},
     {"record", (PyCFunction)(void (*)(void))CudaEvent_record, METH_FASTCALL | METH_KEYWORDS,
      "record(stream=None): mark the work queued on stream so far."},
     {"wait", (PyCFunction)(void (*)(void))CudaEvent_wait, METH_FASTCALL | METH_KEYWORDS,

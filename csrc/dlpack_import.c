@@ -10,6 +10,10 @@
 
 #include <string.h>
 
+#ifdef RLHFZ_WITH_CUDA
+#include "rlhfz_cuda.h"
+#endif
+
 static const char *device_name(int32_t device_type)
 {
     switch (device_type) {
@@ -46,22 +50,46 @@ static void describe_dl_dtype(DLDataType dtype, char *out, size_t size)
 }
 
 /* Checks a DLTensor against what rlhfz kernels take, and fills `out`. */
-static int validate_tensor(const DLTensor *tensor, const char *name, rlhfz_place place,
-                           rlhfz_array *out)
+static int check_place(const char *name, rlhfz_place place, DLDevice device)
 {
-    int32_t type = tensor->device.device_type;
+    int32_t type = device.device_type;
     if (place == RLHFZ_PLACE_HOST && type != kDLCPU && type != kDLCUDAHost) {
         PyErr_Format(PyExc_BufferError,
                      "%s is on device %s:%d; this kernel needs host memory (cpu or cuda_host)",
-                     name, device_name(type), (int)tensor->device.device_id);
+                     name, device_name(type), (int)device.device_id);
         return -1;
     }
     if (place == RLHFZ_PLACE_CUDA && type != kDLCUDA) {
         PyErr_Format(PyExc_BufferError,
                      "%s is on device %s:%d; this kernel needs CUDA device memory (cuda)",
-                     name, device_name(type), (int)tensor->device.device_id);
+                     name, device_name(type), (int)device.device_id);
         return -1;
     }
+    return 0;
+}
+
+/* On the simulated runtime torch holds device memory as CPU tensors over
+ * its host alias: such a tensor is device memory, as it would be on a GPU.
+ * Where a host tensor may be such an alias, where it lies is known only
+ * once its data and size are. */
+static int maybe_simulated_alias(DLDevice device)
+{
+#ifdef RLHFZ_WITH_CUDA
+    return (device.device_type == kDLCPU || device.device_type == kDLCUDAHost) &&
+           rlhfz_cuda_simulated();
+#else
+    (void)device;
+    return 0;
+#endif
+}
+
+static int validate_tensor(const DLTensor *tensor, const char *name, rlhfz_place place,
+                           rlhfz_array *out)
+{
+    DLDevice device = tensor->device;
+    int deferred = maybe_simulated_alias(device);
+    if (!deferred && check_place(name, place, device) < 0)
+        return -1;
     DLDataType dt = tensor->dtype;
     if (dt.lanes == 1 && dt.code == kDLFloat && dt.bits == 32)
         out->dtype = RLHFZ_DTYPE_F32;
@@ -140,10 +168,30 @@ static int validate_tensor(const DLTensor *tensor, const char *name, rlhfz_place
                      name, (void *)data, itemsize);
         return -1;
     }
+#ifdef RLHFZ_WITH_CUDA
+    if (deferred) {
+        void *device_ptr;
+        int ordinal;
+        if (rlhfz_cuda_alias_device(data, numel * itemsize, &device_ptr, &ordinal) == RLHFZ_OK) {
+            data = device_ptr;
+            device.device_type = kDLCUDA;
+            device.device_id = ordinal;
+        } else if (numel == 0 && place == RLHFZ_PLACE_CUDA &&
+                   rlhfz_cuda_get_device(&ordinal) == RLHFZ_OK) {
+            /* torch gives an empty slice a null pointer, so where its tensor
+             * lived cannot be told: it holds no memory, and serves as the
+             * current device's, as an empty CUDA tensor would */
+            device.device_type = kDLCUDA;
+            device.device_id = ordinal;
+        }
+    }
+#endif
+    if (deferred && check_place(name, place, device) < 0)
+        return -1;
     out->data = data;
     out->numel = numel;
     out->ndim = tensor->ndim;
-    out->device = tensor->device;
+    out->device = device;
     return 0;
 }
 

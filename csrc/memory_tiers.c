@@ -99,6 +99,27 @@ DLDevice rlhfz_tier_dl_device(rlhfz_tier tier, int device)
     return dl;
 }
 
+int rlhfz_tier_export(rlhfz_tier tier, int device, void *data, size_t nbytes, DLDevice *dl,
+                      void **address)
+{
+    *dl = rlhfz_tier_dl_device(tier, device);
+    *address = data;
+#ifdef RLHFZ_WITH_CUDA
+    if (tier == RLHFZ_TIER_DEVICE && rlhfz_cuda_simulated()) {
+        if (rlhfz_cuda_host_alias(data, nbytes, address) != RLHFZ_OK) {
+            PyErr_Format(PyExc_RuntimeError, "the simulated device memory at %p (%zu bytes) has "
+                         "no host alias", data, nbytes);
+            return -1;
+        }
+        dl->device_type = kDLCPU;
+        dl->device_id = 0;
+    }
+#else
+    (void)nbytes;
+#endif
+    return 0;
+}
+
 /* Large host buffers ask for transparent huge pages (where the system
  * leaves that to madvise): first touch then faults a 2 MiB page at a time,
  * which makes filling a new buffer several times faster. */
@@ -115,6 +136,43 @@ static void advise_huge_pages(void *data, size_t nbytes)
     (void)nbytes;
 #endif
 }
+
+#ifdef RLHFZ_WITH_CUDA
+/* Makes `device` current for a call that needs it (the runtime refuses, and
+ * a GPU faults on, work on another device's memory), noting the previous. */
+static rlhfz_status enter_device(int device, int *previous)
+{
+    rlhfz_status status = rlhfz_cuda_get_device(previous);
+    if (status == RLHFZ_OK && *previous != device)
+        status = rlhfz_cuda_set_device(device);
+    return status;
+}
+
+/* Puts the caller's device back; the first failure is what is reported. */
+static rlhfz_status leave_device(int device, int previous, rlhfz_status status)
+{
+    if (previous != device) {
+        rlhfz_status restored = rlhfz_cuda_set_device(previous);
+        if (status == RLHFZ_OK)
+            status = restored;
+    }
+    return status;
+}
+
+/* Zeroes device memory on its device's legacy default stream, and waits:
+ * finished before anyone can see the memory. */
+static rlhfz_status zero_device_memory(void *data, size_t nbytes, int device)
+{
+    int previous = device;
+    rlhfz_status status = enter_device(device, &previous);
+    if (status != RLHFZ_OK)
+        return status;
+    status = rlhfz_cuda_memset(data, 0, nbytes, NULL);
+    if (status == RLHFZ_OK)
+        status = rlhfz_cuda_stream_synchronize(NULL);
+    return leave_device(device, previous, status);
+}
+#endif
 
 int rlhfz_tier_alloc(rlhfz_tier *tier, int *device, size_t nbytes, size_t alignment, int zero,
                      void **data)
@@ -179,10 +237,7 @@ int rlhfz_tier_alloc(rlhfz_tier *tier, int *device, size_t nbytes, size_t alignm
     Py_BEGIN_ALLOW_THREADS
     status = rlhfz_cuda_malloc(data, nbytes, *device);
     if (status == RLHFZ_OK && zero) {
-        /* on the legacy default stream, finished before anyone can see it */
-        status = rlhfz_cuda_memset(*data, 0, nbytes, NULL);
-        if (status == RLHFZ_OK)
-            status = rlhfz_cuda_stream_synchronize(NULL);
+        status = zero_device_memory(*data, nbytes, *device);
         if (status != RLHFZ_OK) {
             rlhfz_cuda_free(*data, *device);
             *data = NULL;
@@ -213,11 +268,17 @@ void rlhfz_tier_free(rlhfz_tier tier, int device, void *data)
         free(data);
         return;
 #ifdef RLHFZ_WITH_CUDA
+    /* Both synchronize the device, which may wait on work that needs another
+     * thread to run Python (the NCCL watchdog that aborts a stuck collective). */
     case RLHFZ_TIER_PINNED:
+        Py_BEGIN_ALLOW_THREADS
         rlhfz_cuda_host_free(data);
+        Py_END_ALLOW_THREADS
         return;
     case RLHFZ_TIER_DEVICE:
+        Py_BEGIN_ALLOW_THREADS
         rlhfz_cuda_free(data, device);
+        Py_END_ALLOW_THREADS
         return;
 #endif
     default:
@@ -225,7 +286,7 @@ void rlhfz_tier_free(rlhfz_tier tier, int device, void *data)
     }
 }
 
-int rlhfz_tier_zero(rlhfz_tier tier, void *data, size_t nbytes)
+int rlhfz_tier_zero(rlhfz_tier tier, int device, void *data, size_t nbytes)
 {
     if (tier != RLHFZ_TIER_DEVICE) {
         Py_BEGIN_ALLOW_THREADS
@@ -236,27 +297,26 @@ int rlhfz_tier_zero(rlhfz_tier tier, void *data, size_t nbytes)
 #ifdef RLHFZ_WITH_CUDA
     rlhfz_status status;
     Py_BEGIN_ALLOW_THREADS
-    status = rlhfz_cuda_memset(data, 0, nbytes, NULL);
-    if (status == RLHFZ_OK)
-        status = rlhfz_cuda_stream_synchronize(NULL);
+    status = zero_device_memory(data, nbytes, device);
     Py_END_ALLOW_THREADS
     if (status != RLHFZ_OK)
         return rlhfz_raise_cuda("zero_");
     return 0;
 #else
+    (void)device;
     return rlhfz_raise_cuda("zero_");
 #endif
 }
 
-int rlhfz_tier_copy(void *dst, const void *src, size_t nbytes, int any_cuda)
+int rlhfz_tier_copy(void *dst, const void *src, size_t nbytes, int device)
 {
-    return rlhfz_tier_copy_on(dst, src, nbytes, any_cuda, NULL, 1);
+    return rlhfz_tier_copy_on(dst, src, nbytes, device, NULL, 1);
 }
 
-int rlhfz_tier_copy_on(void *dst, const void *src, size_t nbytes, int any_cuda, void *stream,
+int rlhfz_tier_copy_on(void *dst, const void *src, size_t nbytes, int device, void *stream,
                        int blocking)
 {
-    if (!any_cuda) {
+    if (device < 0) {
         rlhfz_status status;
         Py_BEGIN_ALLOW_THREADS
         status = rlhfz_copy_cpu(dst, src, nbytes);
@@ -270,7 +330,12 @@ int rlhfz_tier_copy_on(void *dst, const void *src, size_t nbytes, int any_cuda, 
 #ifdef RLHFZ_WITH_CUDA
     rlhfz_status status;
     Py_BEGIN_ALLOW_THREADS
-    status = rlhfz_cuda_memcpy(dst, src, nbytes, stream, blocking);
+    int previous = device;
+    status = enter_device(device, &previous);
+    if (status == RLHFZ_OK) {
+        status = rlhfz_cuda_memcpy(dst, src, nbytes, stream, blocking);
+        status = leave_device(device, previous, status);
+    }
     Py_END_ALLOW_THREADS
     if (status != RLHFZ_OK)
         return rlhfz_raise_cuda("copy");

@@ -30,7 +30,10 @@ static PyObject *build_info(PyObject *module, PyObject *unused)
     int device_count = 0;
     int cuda_compiled = 0;
     int runtime_version = 0;
+    const char *simulated = NULL;
 #ifdef RLHFZ_WITH_CUDA
+    if (rlhfz_cuda_simulated())
+        simulated = rlhfz_cuda_sim_describe();
     cuda_compiled = 1;
     const char *error = NULL;
     rlhfz_status status;
@@ -48,11 +51,19 @@ static PyObject *build_info(PyObject *module, PyObject *unused)
     if (cuda_error == NULL)
         goto error;
     rlhfz_simd_level simd = rlhfz_simd_detect();
+    /* cuda: True, False, or "sim" (true as well) on the simulated runtime */
+    PyObject *cuda = device_count <= 0 ? Py_NewRef(Py_False)
+                     : simulated != NULL ? PyUnicode_FromString("sim") : Py_NewRef(Py_True);
+    if (cuda == NULL) {
+        Py_DECREF(cuda_error);
+        goto error;
+    }
     PyObject *values = Py_BuildValue(
-        "{s:s,s:O,s:O,s:i,s:i,s:N,s:s,s:i,s:i}",
+        "{s:s,s:O,s:N,s:z,s:i,s:i,s:N,s:s,s:i,s:i}",
         "version", RLHFZ_VERSION,
         "cuda_compiled", cuda_compiled ? Py_True : Py_False,
-        "cuda", device_count > 0 ? Py_True : Py_False,
+        "cuda", cuda,
+        "cuda_simulator", simulated,
         "cuda_devices", device_count,
         "cuda_runtime_version", runtime_version,
         "cuda_error", cuda_error,
@@ -130,7 +141,73 @@ static PyObject *cuda_mem_get_info(PyObject *module, PyObject *arg)
 #endif
 }
 
+static int device_ordinal(PyObject *arg, const char *func, int *device)
+{
+    long value = PyLong_AsLong(arg);
+    if (value == -1 && PyErr_Occurred())
+        return -1;
+    if (value < 0 || value > 1 << 16) {
+        PyErr_Format(PyExc_ValueError, "%s: device must be a CUDA ordinal >= 0, not %ld", func,
+                     value);
+        return -1;
+    }
+    *device = (int)value;
+    return rlhfz_require_cuda(func);
+}
+
+static PyObject *cuda_synchronize(PyObject *module, PyObject *arg)
+{
+    int device;
+    if (device_ordinal(arg, "cuda_synchronize", &device) < 0)
+        return NULL;
+#ifdef RLHFZ_WITH_CUDA
+    rlhfz_status status;
+    Py_BEGIN_ALLOW_THREADS
+    status = rlhfz_cuda_device_synchronize(device);
+    Py_END_ALLOW_THREADS
+    if (status != RLHFZ_OK) {
+        rlhfz_raise_cuda("cuda_synchronize");
+        return NULL;
+    }
+#endif
+    Py_RETURN_NONE;
+}
+
+static PyObject *cuda_get_device(PyObject *module, PyObject *unused)
+{
+    if (rlhfz_require_cuda("cuda_get_device") < 0)
+        return NULL;
+    int device = 0;
+#ifdef RLHFZ_WITH_CUDA
+    if (rlhfz_cuda_get_device(&device) != RLHFZ_OK) {
+        rlhfz_raise_cuda("cuda_get_device");
+        return NULL;
+    }
+#endif
+    return PyLong_FromLong(device);
+}
+
+static PyObject *cuda_set_device(PyObject *module, PyObject *arg)
+{
+    int device;
+    if (device_ordinal(arg, "cuda_set_device", &device) < 0)
+        return NULL;
+#ifdef RLHFZ_WITH_CUDA
+    if (rlhfz_cuda_set_device(device) != RLHFZ_OK) {
+        rlhfz_raise_cuda("cuda_set_device");
+        return NULL;
+    }
+#endif
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
+    {"cuda_synchronize", cuda_synchronize, METH_O,
+     "cuda_synchronize(device): wait on the host for all work queued on the device."},
+    {"cuda_get_device", cuda_get_device, METH_NOARGS,
+     "cuda_get_device() -> int: the CUDA runtime's current device of this thread."},
+    {"cuda_set_device", cuda_set_device, METH_O,
+     "cuda_set_device(device): make the device current for this thread (the runtime's)."},
     {"cuda_mem_get_info", cuda_mem_get_info, METH_O,
      "cuda_mem_get_info(device) -> (free, total): bytes of the device, as the driver sees them."},
     {"build_info", build_info, METH_NOARGS,
@@ -152,6 +229,8 @@ static int module_exec(PyObject *module)
     if (PyModule_AddFunctions(module, rlhfz_cpu_ops_methods) < 0)
         return -1;
     if (PyModule_AddFunctions(module, rlhfz_cuda_ops_methods) < 0)
+        return -1;
+    if (PyModule_AddFunctions(module, rlhfz_cuda_sim_methods) < 0)
         return -1;
     if (rlhfz_cuda_add_types(module) < 0)
         return -1;

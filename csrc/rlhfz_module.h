@@ -95,13 +95,22 @@ int rlhfz_raise_cuda(const char *what);
 const char *rlhfz_tier_name(rlhfz_tier tier);
 int rlhfz_tier_from_name(const char *name, rlhfz_tier *tier);
 DLDevice rlhfz_tier_dl_device(rlhfz_tier tier, int device);
+/* How a DLPack export presents a buffer: its device and the address of its
+ * first byte. The same as the tier's, except on the simulated CUDA runtime,
+ * where device memory goes out as the host alias (kDLCPU) that torch's CPU
+ * build can use. -1 with an exception set if there is none. */
+int rlhfz_tier_export(rlhfz_tier tier, int device, void *data, size_t nbytes, DLDevice *dl,
+                      void **address);
 int rlhfz_tier_alloc(rlhfz_tier *tier, int *device, size_t nbytes, size_t alignment, int zero,
                      void **data);
 void rlhfz_tier_free(rlhfz_tier tier, int device, void *data);
-int rlhfz_tier_zero(rlhfz_tier tier, void *data, size_t nbytes);
-int rlhfz_tier_copy(void *dst, const void *src, size_t nbytes, int any_cuda);
+/* device: the CUDA ordinal of device memory (the work runs with it current). */
+int rlhfz_tier_zero(rlhfz_tier tier, int device, void *data, size_t nbytes);
+/* device: -1 for a copy between host memories, else the CUDA device the
+ * copy runs on (the one its device memory belongs to). */
+int rlhfz_tier_copy(void *dst, const void *src, size_t nbytes, int device);
 /* The same, queued on stream when CUDA copies; blocking: wait for it. */
-int rlhfz_tier_copy_on(void *dst, const void *src, size_t nbytes, int any_cuda, void *stream,
+int rlhfz_tier_copy_on(void *dst, const void *src, size_t nbytes, int device, void *stream,
                        int blocking);
 
 /* Where a kernel entry point needs its arrays. */
@@ -165,9 +174,10 @@ int rlhfz_require_cuda(const char *what);
 /* None, an int handle, or an object with a cuda_stream / handle attribute. */
 int rlhfz_stream_from_object(PyObject *obj, void **stream);
 
-/* cpu_ops.c, cuda_ops.c */
+/* cpu_ops.c, cuda_ops.c, cuda_simulated.c */
 extern PyMethodDef rlhfz_cpu_ops_methods[];
 extern PyMethodDef rlhfz_cuda_ops_methods[];
+extern PyMethodDef rlhfz_cuda_sim_methods[];
 int rlhfz_cuda_add_types(PyObject *module);
 
 #endif /* RLHFZ_MODULE_H */

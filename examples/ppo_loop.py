@@ -78,6 +78,7 @@ def main(iterations=int(os.environ.get("PPO_ITERATIONS", "6")), epochs=2, clip=0
     if rank == 0:
         print(f"ppo_loop: {iterations} iterations on {world} rank(s), stage {opt.stage}, "
               f"{time.perf_counter() - start:.1f} s", flush=True)
+    opt.close()            # its process groups, before the default one goes
     if world > 1:
         dist.destroy_process_group()
 

@@ -24,6 +24,18 @@ extern "C" rlhfz_status rlhfz_cuda_fail(cudaError_t err);
             return rlhfz_cuda_fail(rlhfz_check_err_);                           \
     } while (0)
 
+/* A kernel launch, written RLHFZ_LAUNCH(grid, block, shared_bytes, stream,
+ * kernel)(arguments...): kernel<<<grid, block, shared_bytes, stream>>> under
+ * nvcc, and the simulated runtime's launcher (sim/include/cudasim_device.h)
+ * when the .cu files are compiled for the host with RLHFZ_CUDA=sim. */
+#ifdef CUDASIM
+#define RLHFZ_LAUNCH(grid, block, shared_bytes, stream, ...) \
+    CUDASIM_LAUNCH(grid, block, shared_bytes, stream, __VA_ARGS__)
+#else
+#define RLHFZ_LAUNCH(grid, block, shared_bytes, stream, ...) \
+    __VA_ARGS__<<<grid, block, shared_bytes, stream>>>
+#endif
+
 /* After a launch: did it start? (Its completion is not waited for.) */
 #define RLHFZ_CUDA_CHECK_LAUNCH() RLHFZ_CUDA_CHECK(cudaGetLastError())
 

@@ -48,6 +48,15 @@ extern "C" rlhfz_status rlhfz_cuda_set_device(int device)
     return RLHFZ_OK;
 }
 
+extern "C" rlhfz_status rlhfz_cuda_device_synchronize(int device)
+{
+    int previous = device;
+    RLHFZ_CUDA_CHECK(enter_device(device, &previous));
+    cudaError_t err = cudaDeviceSynchronize();
+    RLHFZ_CUDA_CHECK(leave_device(device, previous, err));
+    return RLHFZ_OK;
+}
+
 extern "C" rlhfz_status rlhfz_cuda_mem_get_info(int device, size_t *free_bytes,
                                                 size_t *total_bytes)
 {
@@ -262,5 +271,21 @@ extern "C" rlhfz_status rlhfz_cuda_event_synchronize(void *event)
     if (!event)
         return RLHFZ_ERR_INVALID;
     RLHFZ_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(event)));
+    return RLHFZ_OK;
+}
+
+/* *done: whether the recorded work is done (an event never recorded is). */
+extern "C" rlhfz_status rlhfz_cuda_event_query(void *event, int *done)
+{
+    if (!event || !done)
+        return RLHFZ_ERR_INVALID;
+    cudaError_t err = cudaEventQuery(static_cast<cudaEvent_t>(event));
+    if (err == cudaErrorNotReady) {
+        (void)cudaGetLastError();   /* not an error: the work is still running */
+        *done = 0;
+        return RLHFZ_OK;
+    }
+    RLHFZ_CUDA_CHECK(err);
+    *done = 1;
     return RLHFZ_OK;
 }

@@ -210,12 +210,12 @@ extern "C" rlhfz_status rlhfz_sumsq_cuda(const void *x, rlhfz_dtype dtype, size_
     const bool vector = rlhfz_aligned16(x);
 
     rlhfz_with_dtype(dtype, [&](auto d) {
-        rlhfz_sumsq_partial_kernel<decltype(d)::value><<<blocks, RLHFZ_BLOCK, 0, s>>>(
+        RLHFZ_LAUNCH(blocks, RLHFZ_BLOCK, 0, s, rlhfz_sumsq_partial_kernel<decltype(d)::value>)(
             x, n, vector, workspace);
     });
     RLHFZ_CUDA_CHECK_LAUNCH();
 
-    rlhfz_sumsq_final_kernel<<<1, RLHFZ_BLOCK, 0, s>>>(workspace, blocks, out, accumulate);
+    RLHFZ_LAUNCH(1, RLHFZ_BLOCK, 0, s, rlhfz_sumsq_final_kernel)(workspace, blocks, out, accumulate);
     RLHFZ_CUDA_CHECK_LAUNCH();
     return RLHFZ_OK;
 }
@@ -234,7 +234,7 @@ extern "C" rlhfz_status rlhfz_unscale_cuda(void *g, rlhfz_dtype dtype, size_t n,
     const unsigned int grid = rlhfz_elementwise_grid(n, vector);
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     rlhfz_with_dtype(dtype, [&](auto d) {
-        rlhfz_unscale_kernel<decltype(d)::value><<<grid, RLHFZ_BLOCK, 0, s>>>(
+        RLHFZ_LAUNCH(grid, RLHFZ_BLOCK, 0, s, rlhfz_unscale_kernel<decltype(d)::value>)(
             g, n, inv_scale, found_inf, vector);
     });
     RLHFZ_CUDA_CHECK_LAUNCH();
@@ -255,7 +255,7 @@ extern "C" rlhfz_status rlhfz_scale_cuda(void *x, rlhfz_dtype dtype, size_t n, f
     const unsigned int grid = rlhfz_elementwise_grid(n, vector);
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     rlhfz_with_dtype(dtype, [&](auto d) {
-        rlhfz_scale_kernel<decltype(d)::value><<<grid, RLHFZ_BLOCK, 0, s>>>(
+        RLHFZ_LAUNCH(grid, RLHFZ_BLOCK, 0, s, rlhfz_scale_kernel<decltype(d)::value>)(
             x, n, scale, scale_device, vector);
     });
     RLHFZ_CUDA_CHECK_LAUNCH();
@@ -286,8 +286,9 @@ extern "C" rlhfz_status rlhfz_cast_cuda(const void *src, rlhfz_dtype src_dtype, 
     const unsigned int grid = rlhfz_elementwise_grid(n, vector);
     rlhfz_with_dtype(src_dtype, [&](auto from) {
         rlhfz_with_dtype(dst_dtype, [&](auto to) {
-            rlhfz_cast_kernel<decltype(from)::value, decltype(to)::value>
-                <<<grid, RLHFZ_BLOCK, 0, s>>>(src, dst, n, vector);
+            RLHFZ_LAUNCH(grid, RLHFZ_BLOCK, 0, s,
+                         rlhfz_cast_kernel<decltype(from)::value, decltype(to)::value>)(
+                src, dst, n, vector);
         });
     });
     RLHFZ_CUDA_CHECK_LAUNCH();

@@ -26,6 +26,8 @@ const char *rlhfz_cuda_error_string(void);
 
 rlhfz_status rlhfz_cuda_get_device(int *device);
 rlhfz_status rlhfz_cuda_set_device(int device);
+/* Waits on the host for all work queued on `device`. */
+rlhfz_status rlhfz_cuda_device_synchronize(int device);
 /* Free and total bytes of `device`, as the driver reports them. */
 rlhfz_status rlhfz_cuda_mem_get_info(int device, size_t *free_bytes, size_t *total_bytes);
 
@@ -56,6 +58,32 @@ rlhfz_status rlhfz_cuda_event_record(void *event, void *stream);
 /* Work queued on stream after this waits for event (no host blocking). */
 rlhfz_status rlhfz_cuda_stream_wait_event(void *stream, void *event);
 rlhfz_status rlhfz_cuda_event_synchronize(void *event);
+/* *done = 1 once the recorded work is done, else 0; never blocks. */
+rlhfz_status rlhfz_cuda_event_query(void *event, int *done);
+
+/* ---- the simulated runtime (cuda_simulated.cu) ------------------------------ */
+
+/* 1 in a build against the simulated runtime (RLHFZ_CUDA=sim), else 0. The
+ * others return RLHFZ_ERR_UNSUPPORTED in a real build. */
+int rlhfz_cuda_simulated(void);
+/* The host's alias of nbytes of device memory at device_ptr (what torch's
+ * CPU build sees of it); RLHFZ_ERR_INVALID if it is not live device memory. */
+rlhfz_status rlhfz_cuda_host_alias(const void *device_ptr, size_t nbytes, void **host);
+/* The device pointer and ordinal a host alias stands for; RLHFZ_ERR_INVALID
+ * if [host, host + nbytes) is not (all) the alias of one allocation. */
+rlhfz_status rlhfz_cuda_alias_device(const void *host, size_t nbytes, void **device_ptr,
+                                     int *device);
+/* One line on the simulated machine; NULL in a real build. */
+const char *rlhfz_cuda_sim_describe(void);
+/* Calls so far of a runtime function ("cudaHostAlloc", "kernel launch", ...). */
+rlhfz_status rlhfz_cuda_sim_calls(const char *name, unsigned long long *calls);
+/* Failures to inject from now on: "call:n[:error],..." ("" for none). */
+rlhfz_status rlhfz_cuda_sim_inject(const char *spec);
+
+/* Holds a stream (not a default one): its work queued from now on waits
+ * until rlhfz_cuda_sim_release(token). */
+rlhfz_status rlhfz_cuda_sim_hold(void *stream, unsigned long long *token);
+rlhfz_status rlhfz_cuda_sim_release(unsigned long long token);
 
 /* ---- AdamW (adamw_cuda.cu) ------------------------------------------------- */
 

@@ -17,6 +17,7 @@ _LAZY = {
     "offload": ("rlhfz.migrate", "offload"),
     "reload": ("rlhfz.migrate", "reload"),
     "offloaded": ("rlhfz.migrate", "offloaded"),
+    "release_pinned": ("rlhfz.migrate", "release_pinned"),
     "gather_for_generation": ("rlhfz.generation", "gather_for_generation"),
     "iter_full_params": ("rlhfz.generation", "iter_full_params"),
     "save_checkpoint": ("rlhfz.checkpoint", "save_checkpoint"),
@@ -75,7 +76,7 @@ def __dir__():
     return sorted(list(globals()) + list(_LAZY))
 
 
-__all__ = ["ZeroAdamW", "NonFiniteGradError", "offload", "reload", "offloaded",
+__all__ = ["ZeroAdamW", "NonFiniteGradError", "offload", "reload", "offloaded", "release_pinned",
            "gather_for_generation", "iter_full_params", "save_checkpoint", "load_checkpoint",
            "save_consolidated", "load_consolidated", "CheckpointError", "CollectiveError",
            "build_info", "set_num_threads", "get_num_threads", "__version__"]

@@ -411,10 +411,9 @@ class Bucket:
         returns the collective's work with async_op."""
         if self.gathered is not None:
             return None
-        # Transient memory, from torch's allocator: on a GPU its cache hands
-        # the same blocks back gather after gather, in stream order, where
-        # cudaMalloc and cudaFree would synchronize the device every time.
-        flat = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.backend.device)
+        # Transient memory: on a GPU torch's cache hands the same blocks back
+        # gather after gather, in stream order (backends.CudaBackend.empty).
+        flat = self.backend.empty(self.layout.padded_numel, self.dtype)
         work = comm.all_gather(flat, self.flat_param_shard, async_op=async_op)
         self.gathered = (flat.numel() * self.itemsize, flat)
         with torch.no_grad():

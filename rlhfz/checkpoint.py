@@ -263,6 +263,7 @@ def save_checkpoint(path, model, optimizer, client_state: dict | None = None) ->
     complete and durable. client_state (JSON: numbers, strings, lists, dicts)
     comes back from load_checkpoint, e.g. the step and the scheduler's state."""
     _check_optimizer(optimizer)
+    optimizer.synchronize()          # copies a non-blocking move left in flight
     path = os.fspath(path)
     comm = optimizer.comm
     try:
@@ -608,6 +609,7 @@ def load_checkpoint(path, model, optimizer=None):
         raise TypeError(f"{path} is a sharded checkpoint, laid out by the optimizer's buckets: "
                         f"pass the ZeroAdamW too (load_checkpoint(path, model, optimizer))")
     _check_optimizer(optimizer)
+    optimizer.synchronize()
     _refuse_while_gathered(optimizer)
     comm = optimizer.comm
     if comm is not None:

@@ -326,14 +326,15 @@ def _digest(value) -> int:
 
 
 def communicator_for(process_group, collectives: str = "torch",
-                     device: torch.device | None = None) -> Communicator | None:
+                     backend=None) -> Communicator | None:
     """None in a single process (no collectives at all). collectives="nccl"
-    gives rlhfz's own NCCL communicator on `device` (see nccl.py)."""
+    gives rlhfz's own NCCL communicator on the device backend's device (see
+    nccl.py)."""
     if process_group is None and not (dist.is_available() and dist.is_initialized()):
         return None
     if dist.get_world_size(process_group) == 1:
         return None
     if collectives == "nccl":
         from .nccl import NativeNcclCommunicator
-        return NativeNcclCommunicator(process_group, device)
+        return NativeNcclCommunicator(process_group, backend)
     return Communicator(process_group)

@@ -12,6 +12,7 @@ import os
 import queue as queue_module
 import shutil
 import tempfile
+import time
 import traceback
 
 import torch.multiprocessing as mp
@@ -50,12 +51,25 @@ def run_ranks(worker, world_size, *args, timeout=180):
     for p in procs:
         p.start()
     outcomes = {}
+    deadline = time.monotonic() + timeout
+    ended_at = {}            # rank -> when its process was first seen ended without a result
     try:
-        for _ in range(world_size):
-            rank, status, value = results.get(timeout=timeout)
-            outcomes[rank] = (status, value)
-    except queue_module.Empty:
-        pass
+        while len(outcomes) < world_size and time.monotonic() < deadline:
+            try:
+                rank, status, value = results.get(timeout=0.5)
+                outcomes[rank] = (status, value)
+                continue
+            except queue_module.Empty:
+                pass
+            # a rank whose process ended (killed, say) sends nothing: once the
+            # queue had time to deliver what it sent, stop waiting for it
+            now = time.monotonic()
+            for rank, p in enumerate(procs):
+                if rank not in outcomes and p.exitcode is not None:
+                    ended_at.setdefault(rank, now)
+            if ended_at and all(r in outcomes or (r in ended_at and now - ended_at[r] > 2.0)
+                                for r in range(world_size)):
+                break
     finally:
         for p in procs:
             p.join(timeout=10)

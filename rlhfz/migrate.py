@@ -23,11 +23,13 @@ import weakref
 import torch
 
 from . import _C
-from .backends import torch_view
+from .backends import backend_for, torch_view
 from .buckets import Bucket
 
 KINDS = ("params", "grads", "optimizer")
 DEFAULT_PIN_FRACTION = 0.5     # of available RAM, and of RLIMIT_MEMLOCK when it is set
+# RLHFZ_PINNED_POOL=0: unpin at every reload instead of keeping the buffers (_Pinned)
+POOL_PINNED = os.environ.get("RLHFZ_PINNED_POOL", "1") != "0"
 
 
 def check_what(what) -> tuple[str, ...]:
@@ -75,14 +77,51 @@ def pin_budget() -> int:
 
 
 class _Pinned:
-    """The bytes rlhfz has pinned in this process (weakly held buffers)."""
+    """The bytes rlhfz has pinned in this process (weakly held buffers), and
+    the pool of pinned buffers that a reload gave back.
+
+    Pinning and unpinning gigabytes takes seconds, and freeing pinned memory
+    synchronizes the device: an RLHF loop that sleeps and wakes the optimizer
+    every iteration would pay that each time. So reload() keeps the pinned
+    buffers it emptied, and the next offload of the same sizes takes them
+    again, once the event recorded after the copies that last read them is
+    done. The pool counts against the pin budget like any pinned buffer;
+    rlhfz.release_pinned() empties it, and the budget pushes it out first."""
 
     buffers: "weakref.WeakSet" = weakref.WeakSet()
+    pool: dict[int, list[tuple]] = {}          # nbytes -> [(buffer, event or None)]
     noticed = False
 
     @classmethod
     def in_use(cls) -> int:
         return sum(b.nbytes for b in cls.buffers)
+
+    @classmethod
+    def take(cls, nbytes: int):
+        entries = cls.pool.get(nbytes, [])
+        for i, (buffer, event) in enumerate(entries):
+            if event is None or event.query():
+                del entries[i]
+                return buffer
+        return None
+
+    @classmethod
+    def give(cls, buffer, event) -> None:
+        if buffer.tier == "pinned" and buffer.exports == 0 and POOL_PINNED:
+            cls.pool.setdefault(buffer.nbytes, []).append((buffer, event))
+
+    @classmethod
+    def pooled(cls) -> int:
+        return sum(b.nbytes for entries in cls.pool.values() for b, _ in entries)
+
+    @classmethod
+    def release(cls) -> None:
+        """Unpins the pool (after the copies that last read it)."""
+        for entries in cls.pool.values():
+            for _, event in entries:
+                if event is not None:
+                    event.synchronize()
+        cls.pool.clear()
 
     @classmethod
     def notice(cls, text: str) -> None:
@@ -97,6 +136,13 @@ def host_buffer(nbytes: int, pin_memory, zero: bool = False):
     is refused, pageable memory is used."""
     if pin_memory is False or not _C.build_info()["cuda"]:
         return _C.Buffer(nbytes, zero=zero)
+    pooled = _Pinned.take(nbytes)
+    if pooled is not None:
+        if zero:
+            pooled.zero_()
+        return pooled
+    if _Pinned.in_use() + nbytes > pin_budget() and _Pinned.pooled():
+        _Pinned.release()          # the pool gives way to a pin the budget would refuse
     if pin_memory == "auto" and _Pinned.in_use() + nbytes > pin_budget():
         _Pinned.notice(f"rlhfz: pinned host memory is at its budget ({pin_budget()} bytes; "
                        f"RLHFZ_PIN_BUDGET_BYTES sets it): offloading to pageable memory")
@@ -121,11 +167,43 @@ def _already_there(buffer, to: str) -> bool:
     return buffer.tier in ("host", "pinned") if to == "cpu" else buffer.tier == "disk"
 
 
-def _copy_all(pairs, stream, non_blocking: bool) -> None:
+def release_pinned() -> None:
+    """Gives back the pinned host memory that reload() kept for the next offload."""
+    _Pinned.release()
+
+
+def _copy_all(pairs, backend, non_blocking: bool):
+    """Copies every (old, new) pair. With device memory involved the copies
+    go on rlhfz's copy stream, after the work torch's stream has queued
+    (which may still write the data); where they fill device memory, torch's
+    stream waits for them in turn, so the next forward reads what they
+    wrote. non_blocking leaves them in flight. Returns the event that marks
+    their end (None without device memory: the CPU copies are done)."""
+    if backend.tier != "device":
+        for old, new in pairs:
+            new.copy_from(old)
+        return None
+    stream = backend.copy_stream()
+    backend.record(backend.stream()).wait(stream)
     for old, new in pairs:
-        # between pinned and device memory a copy may stay in flight on the stream
-        asynchronous = non_blocking and "disk" not in (old.tier, new.tier)
-        new.copy_from(old, stream=stream, non_blocking=asynchronous)
+        new.copy_from(old, stream=stream, non_blocking=True)
+    done = backend.record(stream)
+    if any(new.tier == "device" for _, new in pairs):
+        done.wait(backend.stream())
+    if not non_blocking:
+        done.synchronize()
+    return done
+
+
+def settle(opt) -> None:
+    """Waits for the copies a non-blocking move left in flight, before rlhfz
+    reads or writes the moved memory on the host (a step, a state dict, a
+    checkpoint)."""
+    done = getattr(opt, "_moves_in_flight", None)
+    if done is not None:
+        done.synchronize()
+        opt._moves_in_flight = None
+        opt.backend.reap()
 
 
 def _report_held(olds, opt) -> None:
@@ -166,10 +244,15 @@ def move_buckets(opt, kinds, allocate, to_home: bool = False, to: str = "cpu",
                 moves.append((bucket, attr, kind, buffer))
     if not moves:
         return
+    backend = opt.backend
+    if backend.tier == "device":
+        backend.reap()
     fresh = [allocate(attr, old.nbytes) for _, attr, _, old in moves]   # may raise: nothing moved
-    stream = opt.backend.stream() if opt.backend.tier == "device" else None
-    _copy_all([(old, new) for (_, _, _, old), new in zip(moves, fresh)], stream,
-              non_blocking and stream is not None)
+    pairs = [(old, new) for (_, _, _, old), new in zip(moves, fresh)]
+    # a file's pages are dropped from RAM right after the swap: its copy must be done
+    to_disk = any(new.tier == "disk" for _, new in pairs)
+    done = _copy_all(pairs, backend, non_blocking and not to_disk)
+    opt._moves_in_flight = done if non_blocking and not to_disk else None
     touched = []
     for (bucket, attr, _, _), new in zip(moves, fresh):
         setattr(bucket, attr, new)
@@ -182,6 +265,11 @@ def move_buckets(opt, kinds, allocate, to_home: bool = False, to: str = "cpu",
     olds = [(kind, old) for _, _, kind, old in moves]
     del moves, fresh
     _report_held(olds, opt)
+    if done is not None:
+        for _, old in olds:
+            _Pinned.give(old, done)
+        # copies in flight still read the old buffers
+        backend.release_after([old for _, old in olds], done)
 
 
 def _refuse_while_gathered(opt) -> None:
@@ -203,8 +291,10 @@ def offload_optimizer(opt, what=KINDS, to="cpu", path=None, non_blocking=False) 
     if "grads" in kinds and opt.reducer is not None:
         opt.reducer.release()
     opt._offloaded.update(kinds)
-    if opt.backend.tier == "device" and not non_blocking:
-        torch.cuda.synchronize(opt.backend.device)
+    if opt.backend.tier == "device":
+        # What torch's caching allocator holds goes back too, for whatever
+        # runs while the optimizer is away (an inference engine, say).
+        opt.backend.empty_cache()
 
 
 def reload_optimizer(opt, non_blocking=False) -> None:
@@ -212,7 +302,18 @@ def reload_optimizer(opt, non_blocking=False) -> None:
         if attr in Bucket._HOST_PART:
             return host_buffer(nbytes, opt.pin_memory)
         return opt.backend.buffer(nbytes, zero=False)
-    move_buckets(opt, KINDS, allocate, to_home=True, non_blocking=non_blocking)
+
+    def move():
+        move_buckets(opt, KINDS, allocate, to_home=True, non_blocking=non_blocking)
+    try:
+        move()
+    except MemoryError:
+        if opt.backend.tier != "device":
+            raise
+        # Free device memory may sit in torch's cache (activations, gathers
+        # since the offload): give it back and try once more. Nothing moved.
+        opt.backend.empty_cache()
+        move()
     if opt.reducer is not None:
         opt.reducer.reserve()
     opt._offloaded.clear()
@@ -267,8 +368,11 @@ def offload_module(model, optimizer=None, to="cpu", path=None, pin_memory="auto"
             t.data = view
             if buffer.tier == "disk":
                 buffer.release_pages()
-    if any(device.type == "cuda" for _, device in home.values()):
-        torch.cuda.empty_cache()     # the originals came from torch's caching allocator
+    devices = {device for _, device in home.values() if device.type == "cuda"}
+    for device in devices:
+        # the originals came from torch's caching allocator
+        (optimizer.backend if optimizer is not None and optimizer.backend.device == device
+         else backend_for(device)).empty_cache()
 
 
 def reload_module(model) -> None:

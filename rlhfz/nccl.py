@@ -13,19 +13,28 @@ rlhfz._C.NcclComm on device buffers instead:
   event, no host block) for the work torch's current stream has queued,
   and the returned work's wait() makes torch's current stream wait for the
   collective in turn;
-- an NCCL error aborts the communicator (no hang) and raises; destroy() is
-  explicit, never left to a destructor.
+- NCCL never gives up on a peer that died: its kernels wait for it, and so
+  does the host when it next synchronizes. A watchdog thread therefore
+  watches every collective in flight and NCCL's asynchronous error; past
+  RLHFZ_COLLECTIVE_TIMEOUT, or on an error, it aborts the communicator
+  (ncclCommAbort ends the waiting), and the next call raises
+  CollectiveError;
+- destroy() is explicit, never left to a destructor.
 
 Agreement, presence masks and norms stay on the gloo control group, as with
-the torch engine.
+the torch engine. Every CUDA call goes through the device backend
+(backends.py), so the same code runs on the simulated runtime.
 """
 from __future__ import annotations
+
+import threading
+import time
 
 import torch
 import torch.distributed as dist
 
 from . import _C
-from .comm import CollectiveMismatchError, Communicator
+from .comm import CollectiveError, CollectiveMismatchError, Communicator, collective_timeout
 from .nccl_library import load
 
 _NCCL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -33,7 +42,7 @@ _NCCL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 
 class _NativeWork:
     """A collective queued on rlhfz's stream; wait() joins it to torch's
-    current stream (no host block) and surfaces NCCL's asynchronous errors."""
+    current stream (no host block) and raises what the watchdog found."""
 
     def __init__(self, comm: "NativeNcclCommunicator", done, keep):
         self.comm, self.done, self.keep = comm, done, keep
@@ -42,16 +51,90 @@ class _NativeWork:
         if self.done is None:
             return
         self.done.wait(self.comm.torch_stream())
-        self.done, self.keep = None, None
-        self.comm.nccl.check()
+        # the tensors stay referenced until the collective is over: the
+        # watchdog drops them when it sees the event done
+        self.done = self.keep = None
+        self.comm.raise_if_failed()
+
+
+class _Watchdog:
+    """Watches a communicator's collectives in flight (each with the event
+    recorded after it, and the tensors it reads and writes, kept alive until
+    that event is done) and its asynchronous error."""
+
+    POLL_S = 0.05
+
+    def __init__(self, comm: "NativeNcclCommunicator"):
+        self.comm = comm
+        self.lock = threading.Lock()
+        self.in_flight: list[tuple] = []       # (done event, started, what, tensors)
+        self.error: CollectiveError | None = None
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="rlhfz-nccl-watchdog", daemon=True)
+        self.thread.start()
+
+    def watch(self, done, what: str, keep) -> None:
+        with self.lock:
+            self.in_flight.append((done, time.monotonic(), what, keep))
+
+    def _run(self) -> None:
+        while not self.stopping.wait(self.POLL_S):
+            if self.poll():
+                return
+
+    def poll(self) -> bool:
+        """One look; True once it has aborted the communicator."""
+        with self.lock:
+            self.in_flight = [entry for entry in self.in_flight if not entry[0].query()]
+            oldest = self.in_flight[0] if self.in_flight else None
+        nccl = self.comm.nccl
+        if not nccl.alive:
+            return False
+        try:
+            nccl.check()           # aborts the communicator on an asynchronous error
+        except RuntimeError as error:
+            self._fail(f"an NCCL operation failed ({error})")
+            return True
+        if self.error is not None:
+            return True
+        if oldest is not None and time.monotonic() - oldest[1] > collective_timeout():
+            # the error first: the abort ends the waits, which then look for it
+            self._fail(f"{oldest[2]} did not complete within {collective_timeout():.0f} s "
+                       f"(RLHFZ_COLLECTIVE_TIMEOUT): not every rank of the "
+                       f"{self.comm.world_size} took part (one died, hangs, or is in another "
+                       f"call); the NCCL communicator was aborted")
+            try:
+                nccl.abort()       # ends the kernels waiting on the missing rank
+            except RuntimeError:
+                pass
+            return True
+        return False
+
+    def _fail(self, what: str) -> None:
+        with self.lock:
+            if self.error is None:
+                self.error = CollectiveError(
+                    f"rank {self.comm.rank}: {what}. The ranks cannot go on together: restart "
+                    f"them and resume from the last checkpoint.")
+
+    def busy(self) -> bool:
+        with self.lock:
+            self.in_flight = [entry for entry in self.in_flight if not entry[0].query()]
+            return bool(self.in_flight)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        if self.thread is not threading.current_thread():
+            self.thread.join()
 
 
 class NativeNcclCommunicator(Communicator):
-    def __init__(self, process_group, device: torch.device):
+    def __init__(self, process_group, backend):
         super().__init__(process_group)
-        if device is None or device.type != "cuda":
-            raise ValueError(f"the native NCCL communicator needs a CUDA device, not {device}")
-        self.index = device.index if device.index is not None else torch.cuda.current_device()
+        if backend is None or backend.tier != "device":
+            raise ValueError("the native NCCL communicator needs params on a CUDA device")
+        self.backend = backend
+        self.index = backend.index
         load()
         unique_id = [_C.nccl_unique_id() if self.rank == 0 else None]
         try:
@@ -59,14 +142,20 @@ class NativeNcclCommunicator(Communicator):
         except RuntimeError as error:
             raise self._absent("NcclComm bootstrap", error) from error
         # NCCL binds a communicator to the device current at init.
-        with torch.cuda.device(self.index):
+        with backend.device_guard():
             self.nccl = _C.NcclComm(unique_id[0], self.world_size, self.rank, self.index)
         self.stream = _C.CudaStream(self.index)
+        self.watchdog = _Watchdog(self)
 
     def torch_stream(self) -> int:
-        return torch.cuda.current_stream(self.index).cuda_stream
+        return self.backend.stream()
 
-    def _run(self, launch, keep, async_op: bool):
+    def raise_if_failed(self) -> None:
+        if self.watchdog.error is not None:
+            raise self.watchdog.error
+
+    def _run(self, launch, keep, what: str, async_op: bool):
+        self.raise_if_failed()
         if not self.nccl.alive:
             raise CollectiveMismatchError(f"the NCCL communicator is {self.nccl.state}")
         ready = _C.CudaEvent(self.index)
@@ -75,50 +164,62 @@ class NativeNcclCommunicator(Communicator):
         launch(self.stream.handle)
         done = _C.CudaEvent(self.index)
         done.record(self.stream)
+        self.watchdog.watch(done, what, keep)
         work = _NativeWork(self, done, keep)
         if async_op:
             return work
         work.wait()
         return None
 
-    @staticmethod
-    def _dtype(tensor: torch.Tensor) -> str:
+    def _address(self, tensor: torch.Tensor) -> tuple[int, str]:
         if tensor.dtype not in _NCCL_DTYPES:
             raise TypeError(f"the native NCCL path carries float32, bfloat16 and float16, "
                             f"not {tensor.dtype}")
-        if not tensor.is_cuda or not tensor.is_contiguous():
-            raise ValueError("the native NCCL path needs contiguous CUDA tensors")
-        return _NCCL_DTYPES[tensor.dtype]
+        if not tensor.is_contiguous():
+            raise ValueError("the native NCCL path needs contiguous device tensors")
+        try:
+            return self.backend.device_address(tensor), _NCCL_DTYPES[tensor.dtype]
+        except ValueError as error:
+            raise ValueError(f"the native NCCL path needs contiguous device tensors: "
+                             f"{error}") from None
 
     def reduce_scatter(self, shard_out: torch.Tensor, full_in: torch.Tensor,
                        async_op: bool = False):
-        dtype = self._dtype(full_in)
+        send, dtype = self._address(full_in)
+        recv, _ = self._address(shard_out)
         if shard_out.dtype != full_in.dtype or full_in.numel() != shard_out.numel() * self.world_size:
             raise ValueError("reduce_scatter: full_in must hold world_size shards of shard_out's "
                              "dtype")
         return self._run(lambda stream: self.nccl.reduce_scatter(
-            full_in.data_ptr(), shard_out.data_ptr(), shard_out.numel(), dtype, "avg", stream),
-            (shard_out, full_in), async_op)
+            send, recv, shard_out.numel(), dtype, "avg", stream),
+            (shard_out, full_in), f"reduce_scatter of {full_in.numel()} {dtype} elements",
+            async_op)
 
     def all_gather(self, full_out: torch.Tensor, shard_in: torch.Tensor,
                    async_op: bool = False):
-        dtype = self._dtype(full_out)
+        recv, dtype = self._address(full_out)
+        send, _ = self._address(shard_in)
         if shard_in.dtype != full_out.dtype or full_out.numel() != shard_in.numel() * self.world_size:
             raise ValueError("all_gather: full_out must hold world_size shards of shard_in's dtype")
         return self._run(lambda stream: self.nccl.all_gather(
-            shard_in.data_ptr(), full_out.data_ptr(), shard_in.numel(), dtype, stream),
-            (full_out, shard_in), async_op)
+            send, recv, shard_in.numel(), dtype, stream),
+            (full_out, shard_in), f"all_gather of {full_out.numel()} {dtype} elements", async_op)
 
     def all_reduce_avg(self, tensor: torch.Tensor, async_op: bool = False):
-        dtype = self._dtype(tensor)
+        address, dtype = self._address(tensor)
         return self._run(lambda stream: self.nccl.all_reduce(
-            tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), dtype, "avg", stream),
-            (tensor,), async_op)
+            address, address, tensor.numel(), dtype, "avg", stream),
+            (tensor,), f"all_reduce of {tensor.numel()} {dtype} elements", async_op)
 
     def destroy(self) -> None:
-        """Destroys the NCCL communicator after its queued work; every rank calls it."""
+        """Destroys the NCCL communicator after its queued work; every rank
+        calls it. The watchdog watches that work to its end, so a rank that
+        died makes this wait no longer than the timeout (the communicator is
+        aborted then, not destroyed)."""
+        while self.watchdog.busy() and self.watchdog.error is None:
+            time.sleep(_Watchdog.POLL_S)
+        self.watchdog.stop()
         if self.nccl.alive:
-            self.stream.synchronize()
             self.nccl.destroy()
         self.stream.close()
         super().destroy()

@@ -209,10 +209,10 @@ class ZeroAdamW(Optimizer):
         params = params if isinstance(params, list) else list(params)
         self.device = _common_device(params)
         self.backend = backend_for(self.device)
-        if collectives == "nccl" and self.device.type != "cuda":
+        if collectives == "nccl" and self.backend.tier != "device":
             raise ValueError(f"collectives='nccl' needs params on a CUDA device, not "
                              f"{self.device}")
-        self.comm = communicator_for(process_group, collectives, self.device)
+        self.comm = communicator_for(process_group, collectives, self.backend)
         self.rank = self.comm.rank if self.comm else 0
         self.world_size = self.comm.world_size if self.comm else 1
         if self.world_size > 1 and stage == 0:
@@ -246,6 +246,7 @@ class ZeroAdamW(Optimizer):
         self._finite_versions: tuple[int, ...] | None = None
         self._host = HostBackend()
         self._offloaded: set[str] = set()          # kinds offload() moved away from home
+        self._moves_in_flight = None               # the event after a non-blocking move's copies
         self._held_elsewhere: list = []            # (kind, weakref to a Buffer) still viewed
 
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
@@ -488,6 +489,7 @@ class ZeroAdamW(Optimizer):
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """Scale all grads so their global 2-norm is at most max_norm; returns
         the norm before clipping, as torch.nn.utils.clip_grad_norm_ does."""
+        self.synchronize()
         if float(norm_type) != 2.0:
             raise ValueError(f"only the 2-norm is supported, not norm_type={norm_type}")
         max_norm = float(max_norm)
@@ -556,6 +558,7 @@ class ZeroAdamW(Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None, grad_scaler=None):
+        self.synchronize()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -638,6 +641,7 @@ class ZeroAdamW(Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The torch.optim.AdamW format. Across processes this is a collective
         (every rank calls it, and every rank gets the whole dict)."""
+        self.synchronize()
         if self.comm is None:
             return super().state_dict()
         self.comm.agree("ZeroAdamW.state_dict",
@@ -671,6 +675,7 @@ class ZeroAdamW(Optimizer):
         """This rank's part of the optimizer state, with where each param's
         elements sit, for one file per rank. Not a collective. Any world size
         reads a full set back with load_sharded_state_dict."""
+        self.synchronize()
         packed = super().state_dict() if self.comm is None else None
         groups = packed["param_groups"] if packed else self._packed_groups()
         position = {id(p): i for i, p in
@@ -745,6 +750,7 @@ class ZeroAdamW(Optimizer):
 
         Everything is checked before anything is written: on any mismatch this
         raises and the optimizer is unchanged."""
+        self.synchronize()
         index_to_param = self._checked_state_dict(state_dict)
         saved_groups = state_dict["param_groups"]
         saved_state = state_dict["state"]
@@ -850,6 +856,14 @@ class ZeroAdamW(Optimizer):
             placement[kind] = tiers[0] if len(tiers) == 1 else (home if not tiers else
                                                                 "+".join(tiers))
         return placement
+
+    def synchronize(self) -> None:
+        """Waits for the copies a non_blocking offload() or reload() left in
+        flight. rlhfz does so itself before it touches the moved memory (a
+        step, a state dict, a checkpoint); code of yours that reads a moved
+        tensor on the host calls this first."""
+        from .migrate import settle
+        settle(self)
 
     def offload(self, what=("params", "grads", "optimizer"), to="cpu", path=None,
                 non_blocking=False) -> None:

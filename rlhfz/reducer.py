@@ -103,8 +103,8 @@ class GradReducer:
                 # Grads of three buckets interleave (rare: e.g. a tied weight
                 # far from its bucket): this one gets its own staging memory
                 # rather than take a slot that still fills.
-                flat = torch.zeros(bucket.layout.padded_numel, dtype=bucket.reduce_dtype,
-                                   device=self.backend.device)
+                flat = self.backend.empty(bucket.layout.padded_numel, bucket.reduce_dtype)
+                flat.zero_()
                 bucket.staged = (None, flat)
                 return flat
             work = self._slot_work.pop(slot, None)

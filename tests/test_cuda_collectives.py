@@ -1,19 +1,38 @@
-"""The native NCCL communicator behind ZeroAdamW(collectives="nccl"), on a GPU.
+"""The native NCCL engine behind ZeroAdamW(collectives="nccl").
 
-One GPU allows one NCCL rank, so these run a world of one: the unique-id
+On a GPU: one GPU allows one NCCL rank, so a world of one: the unique-id
 bootstrap over the gloo control group, each collective on rlhfz's stream
 joined back to torch's, results read after torch's stream waits (no host
-sync in between), and explicit destruction. Without a GPU they skip.
+sync in between), and explicit destruction. On the simulated CUDA runtime
+with its NCCL stand-in (make test-sim), worlds of 2 and 3 processes too:
+training with the native engine against the torch.distributed engine, at
+stages 2 and 3, and a rank killed in the middle of a collective, which NCCL
+would wait on forever: the watchdog aborts the communicator and the other
+ranks raise CollectiveError within RLHFZ_COLLECTIVE_TIMEOUT.
 """
 import datetime
+import json
 import os
 import socket
 
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs torch with CUDA")]
+import native_nccl_workers as workers
+import rlhfz
+from device_support import (SIMULATED, needs_device, needs_simulator, params_on_device,
+                            to_device, zeros)
+from rlhfz.launch import run_ranks
+
+pytestmark = [pytest.mark.gpu, needs_device]
+
+
+def _nccl_problem():
+    info = rlhfz.build_info()
+    return None if info["nccl"] else f"NCCL is not usable here: {info['nccl_error']}"
+
+
+needs_nccl = pytest.mark.skipif(_nccl_problem() is not None, reason=str(_nccl_problem()))
 
 
 def _free_port() -> int:
@@ -23,45 +42,119 @@ def _free_port() -> int:
 
 
 @pytest.fixture
-def world_of_one():
+def world_of_one(monkeypatch):
     import torch.distributed as dist
-    os.environ.setdefault("RLHFZ_COLLECTIVE_TIMEOUT", "60")
+    monkeypatch.setenv("RLHFZ_COLLECTIVE_TIMEOUT", "60")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
                             world_size=1, timeout=datetime.timedelta(seconds=60))
     try:
-        yield
+        with params_on_device(monkeypatch):
+            yield
     finally:
         dist.destroy_process_group()
 
 
+@needs_nccl
 def test_native_collectives_round_trip(world_of_one):
+    from rlhfz.backends import backend_for
     from rlhfz.nccl import NativeNcclCommunicator
-    device = torch.device("cuda", torch.cuda.current_device())
-    comm = NativeNcclCommunicator(None, device)
+    backend = backend_for(torch.device("cpu") if SIMULATED else
+                          torch.device("cuda", torch.cuda.current_device()))
+    comm = NativeNcclCommunicator(None, backend)
     try:
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            full = torch.randn(4099, device=device).to(dtype)
-            shard = torch.empty_like(full)
-            comm.reduce_scatter(shard, full.clone())            # the mean of one rank: itself
+            full = to_device(torch.randn(4099).to(dtype))
+            shard = zeros(4099, dtype)
+            comm.reduce_scatter(shard, to_device(full))     # the mean of one rank: itself
             assert torch.equal(shard, full)
-            gathered = torch.zeros_like(full)
+            gathered = zeros(4099, dtype)
             work = comm.all_gather(gathered, shard, async_op=True)
             work.wait()
             assert torch.equal(gathered, full)
-            averaged = full.clone()
+            averaged = to_device(full)
             comm.all_reduce_avg(averaged)
             assert torch.equal(averaged, full)
         # Work torch queued just before is seen by the collective.
-        x = torch.zeros(1 << 20, device=device)
+        x = zeros(1 << 20)
         x.add_(3.0)
-        out = torch.empty_like(x)
+        out = zeros(1 << 20)
         comm.all_gather(out, x)
         assert bool((out == 3.0).all())
         with pytest.raises(TypeError, match="float32, bfloat16 and float16"):
-            comm.all_reduce_avg(torch.zeros(4, dtype=torch.float64, device=device))
-        with pytest.raises(ValueError, match="contiguous CUDA tensors"):
-            comm.all_reduce_avg(torch.zeros(4))
+            comm.all_reduce_avg(to_device(torch.zeros(4, dtype=torch.float64)))
+        with pytest.raises(ValueError, match="contiguous device tensors"):
+            comm.all_reduce_avg(torch.zeros(4))            # host memory
     finally:
         comm.destroy()
     assert not comm.nccl.alive
 
+
+@needs_simulator
+@needs_nccl
+@pytest.mark.parametrize("world_size, stage, dtype", [(2, 2, "float32"), (3, 2, "bfloat16"),
+                                                      (2, 3, "float32"), (3, 3, "float32")])
+def test_native_engine_trains_as_the_torch_engine(monkeypatch, world_size, stage, dtype):
+    """Ranks on simulated devices: the native engine's reduce-scatters and
+    all-gathers (NCCL's average is a premultiplied sum) against gloo's."""
+    monkeypatch.setenv("RLHFZ_SIM_DEVICE", "0")
+    native = run_ranks(workers.train, world_size, "nccl", stage, dtype)
+    reference = run_ranks(workers.train, world_size, "torch", stage, dtype)
+    assert native[0]["comm"] == "NativeNcclCommunicator"
+    assert native[0]["backend"] == reference[0]["backend"] == "SimulatedCudaBackend"
+    tolerance = 1e-5 if dtype == "float32" else 2e-2
+    for rank in range(world_size):
+        for name, value in native[rank]["params"].items():
+            torch.testing.assert_close(value, reference[rank]["params"][name], rtol=tolerance,
+                                       atol=tolerance, msg=lambda m: f"rank {rank}, {name}: {m}")
+            assert torch.equal(value, native[0]["params"][name])    # every rank the same
+
+
+def _survivors(tmp_path, world_size, victim):
+    outcomes = []
+    for rank in range(world_size):
+        if rank == victim:
+            assert not os.path.exists(tmp_path / f"rank{victim}.json")
+            continue
+        with open(tmp_path / f"rank{rank}.json") as f:
+            outcomes.append(json.load(f))
+        assert outcomes[-1]["raised"], f"rank {rank} went on as if nothing happened"
+    return outcomes
+
+
+@needs_simulator
+@needs_nccl
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_rank_killed_mid_training_makes_the_others_raise(monkeypatch, tmp_path, world_size):
+    """ZeroAdamW(collectives="nccl"), stage 2: whichever notices first (the
+    watchdog of the collective the dead rank never joins, or the gloo
+    control group's agreement), every other rank raises CollectiveError
+    within the timeout."""
+    timeout = 6
+    monkeypatch.setenv("RLHFZ_SIM_DEVICE", "0")
+    monkeypatch.setenv("RLHFZ_COLLECTIVE_TIMEOUT", str(timeout))
+    victim = world_size - 1
+    with pytest.raises(RuntimeError, match=rf"ranks \[{victim}\] gave no result"):
+        run_ranks(workers.die_mid_collective, world_size, victim, str(tmp_path), timeout=90)
+    for outcome in _survivors(tmp_path, world_size, victim):
+        assert outcome["after_s"] < timeout + 10, outcome
+
+
+@needs_simulator
+@needs_nccl
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_watchdog_aborts_a_collective_a_dead_rank_never_joins(monkeypatch, tmp_path,
+                                                                  world_size):
+    """The native communicator alone, nothing on gloo to notice the death:
+    NCCL (and its stand-in) waits for the dead rank forever; the watchdog
+    aborts the communicator at the timeout and the wait raises."""
+    timeout = 4
+    monkeypatch.setenv("RLHFZ_SIM_DEVICE", "0")
+    monkeypatch.setenv("RLHFZ_COLLECTIVE_TIMEOUT", str(timeout))
+    victim = 1
+    with pytest.raises(RuntimeError, match=rf"ranks \[{victim}\] gave no result"):
+        run_ranks(workers.collective_after_death, world_size, victim, str(tmp_path), timeout=90)
+    for outcome in _survivors(tmp_path, world_size, victim):
+        assert "did not complete within 4 s" in outcome["raised"]
+        assert "NCCL communicator was aborted" in outcome["raised"]
+        assert timeout <= outcome["after_s"] < timeout + 5, outcome
+        assert outcome["alive"] is False

@@ -11,11 +11,20 @@ their bits.
 
 Every array sits between guard elements holding a signalling-NaN pattern
 that no kernel writes; sizes have odd tails, and starts at element offsets
-1 and 3 rule out 16-byte vector loads. GPU tests are marked gpu (conftest
-skips them when rlhfz sees no device) and also need torch to see one, as
-they hand rlhfz torch CUDA tensors. The argument checks that come before
-any device work run everywhere.
+1 and 3 rule out 16-byte vector loads.
+
+The device tests run on a GPU or on the simulated CUDA runtime of a
+RLHFZ_CUDA=sim build (tests/device_support.py), which runs the kernels' own
+device code on the host, one thread after another: there the sizes stop at
+100_003, and LARGE, which every grid-stride loop goes round, comes in a few
+cases of each kernel only. A few tests need torch's CUDA build (its
+streams, CUDA graphs, compute-sanitizer) and run on a real GPU only. The
+simulator has tests of its own where it can check more than a GPU can: a
+failure injected into a launch, and work held in flight on a stream (a host
+address handed to a kernel: test_cuda_ops_args.py). The argument checks
+that come before any device work run everywhere.
 """
+import itertools
 import math
 import os
 import shutil
@@ -29,10 +38,10 @@ import pytest
 import torch
 
 import rlhfz
+from device_support import (SIMULATED, empty, held, needs_device, needs_real_gpu, needs_simulator,
+                            to_device, to_host, zeros)
+from device_support import stream as current_stream
 from rlhfz import _C
-
-needs_torch_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
-                                      reason="needs torch with a CUDA device")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -45,6 +54,8 @@ GUARD = 16
 
 SIZES = [1, 7, 8, 9, 1023, 4097, 100_003] + sorted(
     int(n) for n in np.random.default_rng(20261122).integers(10, 300_000, 3))
+if SIMULATED:
+    SIZES = [n for n in SIZES if n <= 100_003]
 # Element offsets past the guard of (master, exp_avg, exp_avg_sq, grad, param_out).
 LAYOUTS = {"aligned": (0, 0, 0, 0, 0), "offset1": (1, 1, 1, 1, 1),
            "offset3": (3, 3, 3, 3, 3), "mixed": (0, 1, 0, 3, 2)}
@@ -64,13 +75,32 @@ RTOL = 1e-5
 LARGE = 9_000_011
 
 
-def _stream() -> int:
-    return torch.cuda.current_stream().cuda_stream
+@pytest.fixture(scope="module", autouse=True)
+def _torch_threads():
+    """One torch thread on the simulator, whose stream workers share the
+    host's cores with torch: there OpenMP's spinning threads cost far more
+    than they save on arrays this small (several times the whole file's
+    time, on a busy two-core machine)."""
+    threads = torch.get_num_threads()
+    if SIMULATED:
+        torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _sweep(sizes, *axes, large_on_the_simulator=()):
+    """Every combination of sizes, with LARGE added, and the other axes; on
+    the simulator LARGE comes only with the combinations of the other axes
+    given (one with a vector path and one without, where it matters)."""
+    cases = list(itertools.product(list(sizes) + ([] if SIMULATED else [LARGE]), *axes))
+    if SIMULATED:
+        cases += [(LARGE, *rest) for rest in large_on_the_simulator]
+    return cases
 
 
 class Guarded:
-    """n CUDA elements between GUARD sentinel elements on each side; `arg` is
-    what the kernel gets: a torch slice, or with buffer=True an rlhfz
+    """n device elements between GUARD sentinel elements on each side; `arg`
+    is what the kernel gets: a torch slice, or with buffer=True an rlhfz
     BufferView of a device Buffer."""
 
     def __init__(self, values: torch.Tensor | None, offset: int = 0, *, n: int | None = None,
@@ -84,7 +114,7 @@ class Guarded:
             self.full = torch.from_dlpack(self.owner.view(NAMES[dtype]))
             self.arg = self.owner.view(NAMES[dtype], self.lo, (n,))
         else:
-            self.full = torch.empty(total, dtype=dtype, device="cuda")
+            self.full = empty(total, dtype)
             self.arg = self.full[self.lo:self.hi]
         self.full.view(BITS[dtype]).fill_(SENTINEL[dtype])
         self.values = self.full[self.lo:self.hi]
@@ -96,12 +126,12 @@ class Guarded:
         sentinel = SENTINEL[self.dtype]
         return bool((bits[:self.lo] == sentinel).all()) and bool((bits[self.hi:] == sentinel).all())
 
-    def cpu(self) -> torch.Tensor:
-        return self.values.cpu()
+    def host(self) -> torch.Tensor:
+        return to_host(self.values)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().cpu().view(BITS[t.dtype])
+    return to_host(t).view(BITS[t.dtype])
 
 
 def _assert_same_bits(actual, expected, what):
@@ -169,7 +199,7 @@ def _cuda_step(inputs, offsets, param_dtype, buffer=False, **kwargs):
     arrays = [Guarded(t, off, buffer=buffer) for t, off in zip(inputs, offsets)]
     out = (None if param_dtype is None else
            Guarded(None, offsets[4], n=inputs[0].numel(), dtype=param_dtype, buffer=buffer))
-    kwargs.setdefault("stream", _stream())
+    kwargs.setdefault("stream", current_stream())
     _C.cuda_adamw_step(*(a.arg for a in arrays), out.arg if out else None, **kwargs)
     return arrays, out
 
@@ -181,8 +211,8 @@ def _check_step(arrays, out, inputs, param_dtype, hp, what, f64=None):
         assert a.guards_intact(), f"{what}: {name} written outside its range"
     if out is not None:
         assert out.guards_intact(), f"{what}: param_out written outside its range"
-    _assert_same_bits(arrays[3].cpu(), inputs[3], f"{what}: grad changed")
-    got = [a.cpu() for a in arrays[:3]]
+    _assert_same_bits(arrays[3].host(), inputs[3], f"{what}: grad changed")
+    got = [a.host() for a in arrays[:3]]
     names = ("master", "exp_avg", "exp_avg_sq")
     # the math first, so that a wrong result says so before a bits mismatch
     if f64 is not None:
@@ -192,14 +222,14 @@ def _check_step(arrays, out, inputs, param_dtype, hp, what, f64=None):
     for name, g, e in zip(names, got, expected):
         _assert_same_bits(g, e, f"{what}: {name} vs the CPU reference")
     if out is not None:
-        _assert_same_bits(out.cpu(), expected_out, f"{what}: param_out vs the CPU reference")
-        _assert_same_bits(out.cpu(), got[0].to(param_dtype), f"{what}: param_out vs master")
+        _assert_same_bits(out.host(), expected_out, f"{what}: param_out vs the CPU reference")
+        _assert_same_bits(out.host(), got[0].to(param_dtype), f"{what}: param_out vs master")
 
 
 # ---- AdamW -----------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@needs_torch_cuda
+@needs_device
 @pytest.mark.parametrize("grad_dtype", DTYPES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("n", SIZES)
@@ -214,7 +244,7 @@ def test_adamw_matches_float64_and_the_cpu_reference_bit_for_bit(n, layout, grad
 
 
 @pytest.mark.gpu
-@needs_torch_cuda
+@needs_device
 @pytest.mark.parametrize("layout", ["aligned", "offset1"])
 @pytest.mark.parametrize("n", [7, 4097, 100_003])
 def test_adamw_on_rlhfz_buffer_views(n, layout):
@@ -226,7 +256,7 @@ def test_adamw_on_rlhfz_buffer_views(n, layout):
 
 
 @pytest.mark.gpu
-@needs_torch_cuda
+@needs_device
 @pytest.mark.parametrize("layout", ["aligned", "offset3"])
 def test_adamw_grid_stride_over_a_large_array(layout):
     inputs = _inputs(LARGE, seed=11, grad_dtype=torch.bfloat16)
@@ -236,7 +266,7 @@ def test_adamw_grid_stride_over_a_large_array(layout):
 
 
 @pytest.mark.gpu
-@needs_torch_cuda
+@needs_device
 @pytest.mark.parametrize("grad_dtype", DTYPES)
 def test_adamw_edge_values_match_the_cpu_reference(grad_dtype):
     """Zeros of both signs, grads whose squares are subnormal or overflow
@@ -251,21 +281,25 @@ def test_adamw_edge_values_match_the_cpu_reference(grad_dtype):
         arrays, out = _cuda_step(inputs, offsets, torch.float16, **hp)
         assert all(a.guards_intact() for a in arrays) and out.guards_intact()
         expected, expected_out = _cpu_reference(*inputs, torch.float16, **hp)
-        for got, want in zip([a.cpu() for a in arrays[:3]] + [out.cpu()],
+        for got, want in zip([a.host() for a in arrays[:3]] + [out.host()],
                              expected + [expected_out]):
             assert torch.equal(torch.isnan(got), torch.isnan(want))
             keep = ~torch.isnan(want)
             _assert_same_bits(got[keep], want[keep], f"edge values, grad {grad_dtype}")
-        assert arrays[0].cpu()[0].item() == 1.0        # zero grad, zero state: no update
+        assert arrays[0].host()[0].item() == 1.0        # zero grad, zero state: no update
 
 
 @pytest.mark.gpu
-@needs_torch_cuda
+@needs_device
 def test_empty_arrays_are_a_no_op():
+    # On the simulator torch exports an empty slice of device memory with a
+    # null pointer, which no longer says where it lies: rlhfz views there.
+    views = SIMULATED
     inputs = _inputs(0, seed=0, grad_dtype=torch.float32)
-    arrays, out = _cuda_step(inputs, LAYOUTS["offset1"], torch.bfloat16, **HPARAMS["step1"])
+    arrays, out = _cuda_step(inputs, LAYOUTS["offset1"], torch.bfloat16, buffer=views,
+                             **HPARAMS["step1"])
     assert all(a.guards_intact() for a in arrays) and out.guards_intact()
-    x = Guarded(torch.empty(0), 1)
+    x = Guarded(torch.empty(0), 1, buffer=views)
     out8, workspace = _sumsq_buffers()
     _C.cuda_store(out8, 0, struct.pack("d", 5.0))
     assert _sumsq(x.arg, out8, workspace, accumulate=True) == 5.0
@@ -273,7 +307,7 @@ def test_empty_arrays_are_a_no_op():
 
 
 @pytest.mark.gpu
-@needs_torch_cuda
+@needs_device
 @pytest.mark.parametrize("flag", [1, 256, -1])
 def test_skip_if_nonzero_writes_nothing(flag):
     """A nonzero int in skip_if (any of its bytes) leaves every array as it
@@ -282,15 +316,15 @@ def test_skip_if_nonzero_writes_nothing(flag):
     inputs = _inputs(n, seed=3, grad_dtype=torch.bfloat16)
     hp = HPARAMS["decay-step1000"]
     skip = _C.Buffer(4, tier="device")
-    _C.cuda_store(skip, 0, struct.pack("<i", flag), stream=_stream())
+    _C.cuda_store(skip, 0, struct.pack("<i", flag), stream=current_stream())
     for offsets in (LAYOUTS["aligned"], LAYOUTS["offset3"]):
         arrays, out = _cuda_step(inputs, offsets, torch.bfloat16, skip_if=skip, **hp)
         for a, before in zip(arrays, inputs):
             assert a.guards_intact()
-            _assert_same_bits(a.cpu(), before, f"skip_if={flag}")
+            _assert_same_bits(a.host(), before, f"skip_if={flag}")
         assert out.guards_intact()
         assert bool((_bits(out.values) == SENTINEL[torch.bfloat16]).all())
-    _C.cuda_store(skip, 0, struct.pack("<i", 0), stream=_stream())
+    _C.cuda_store(skip, 0, struct.pack("<i", 0), stream=current_stream())
     arrays, out = _cuda_step(inputs, LAYOUTS["mixed"], torch.bfloat16, skip_if=skip, **hp)
     _check_step(arrays, out, inputs, torch.bfloat16, hp, "skip_if=0")
 
@@ -298,7 +332,7 @@ def test_skip_if_nonzero_writes_nothing(flag):
 def _hparams_buffer(hp):
     blob = _C.adamw_hparams_bytes(**hp)
     buffer = _C.Buffer(len(blob), tier="device")
-    _C.cuda_store(buffer, 0, blob, stream=_stream())
+    _C.cuda_store(buffer, 0, blob, stream=current_stream())
     return buffer
 
 
@@ -309,7 +343,7 @@ DECOY = dict(lr=0.5, beta1=0.5, beta2=0.5, eps=1.0, weight_decay=0.5, step=3, ma
 
 
 @pytest.mark.gpu
-@needs_torch_cuda
+@needs_device
 @pytest.mark.parametrize("hp_name", HPARAMS)
 def test_device_hparams_equal_the_keyword_path_bit_for_bit(hp_name):
     hp = HPARAMS[hp_name]
@@ -322,11 +356,11 @@ def test_device_hparams_equal_the_keyword_path_bit_for_bit(hp_name):
                                         device_hparams=on_device, **DECOY)
         for a, b in zip(device + [device_out], keyword + [keyword_out]):
             assert a.guards_intact()
-            _assert_same_bits(a.cpu(), b.cpu(), f"device_hparams {hp_name}")
+            _assert_same_bits(a.host(), b.host(), f"device_hparams {hp_name}")
 
 
 @pytest.mark.gpu
-@needs_torch_cuda
+@needs_real_gpu
 def test_captured_step_replays_with_the_values_on_the_device():
     """A CUDA graph captured once replays with whatever hyperparameters and
     skip flag the device holds at replay."""
@@ -337,13 +371,14 @@ def test_captured_step_replays_with_the_values_on_the_device():
     first, second = HPARAMS["step1"], dict(HPARAMS["step1"], step=2, lr=2e-3)
     on_device = _hparams_buffer(first)
     skip = _C.Buffer(4, tier="device")
-    _C.cuda_store(skip, 0, struct.pack("<i", 1), stream=_stream())
+    _C.cuda_store(skip, 0, struct.pack("<i", 1), stream=current_stream())
     args = (master, exp_avg, exp_avg_sq, grad, out)
     # a skipped launch first: the kernel is loaded before capture, nothing written
-    _C.cuda_adamw_step(*args, device_hparams=on_device, skip_if=skip, stream=_stream(), **DECOY)
+    _C.cuda_adamw_step(*args, device_hparams=on_device, skip_if=skip, stream=current_stream(),
+                       **DECOY)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, capture_error_mode="relaxed"):
-        _C.cuda_adamw_step(*args, device_hparams=on_device, skip_if=skip, stream=_stream(),
+        _C.cuda_adamw_step(*args, device_hparams=on_device, skip_if=skip, stream=current_stream(),
                            **DECOY)
     graph.replay()                       # skip flag still set
     for t, before in zip(args, inputs):
@@ -351,13 +386,45 @@ def test_captured_step_replays_with_the_values_on_the_device():
 
     ref = [t.clone() for t in inputs[:3]]
     ref_out = torch.empty(n, dtype=torch.bfloat16)
-    _C.cuda_store(skip, 0, struct.pack("<i", 0), stream=_stream())
+    _C.cuda_store(skip, 0, struct.pack("<i", 0), stream=current_stream())
     for hp in (first, second):
-        _C.cuda_store(on_device, 0, _C.adamw_hparams_bytes(**hp), stream=_stream())
+        _C.cuda_store(on_device, 0, _C.adamw_hparams_bytes(**hp), stream=current_stream())
         graph.replay()
         _C.adamw_step(*ref, inputs[3], ref_out, simd="reference", **hp)
         for got, want in zip((master, exp_avg, exp_avg_sq, out), ref + [ref_out]):
             _assert_same_bits(got, want, f"replay with step={hp['step']}")
+
+
+@pytest.mark.gpu
+@needs_simulator
+def test_a_queued_step_uses_the_values_on_the_device_when_it_runs():
+    """The captured step's counterpart on the simulator, which has no CUDA
+    graphs: a step held in flight on a stream uses the hyperparameters and
+    skip flag the device holds when it runs, not those of when it was queued."""
+    n = 4097
+    inputs = _inputs(n, seed=23, grad_dtype=torch.bfloat16)
+    on_device = _hparams_buffer(HPARAMS["step1"])
+    later = dict(HPARAMS["step1"], step=2, lr=2e-3)
+    skip = _C.Buffer(4, tier="device")                  # zeroed: the flag is clear
+    arrays = [Guarded(t, 1) for t in inputs]
+    out = Guarded(None, 1, n=n, dtype=torch.bfloat16)
+    args = [a.arg for a in arrays] + [out.arg]
+    side = _C.CudaStream()
+    # The default stream's copies run at once, while the step still waits.
+    with held(side):
+        _C.cuda_adamw_step(*args, device_hparams=on_device, skip_if=skip, stream=side, **DECOY)
+        _C.cuda_store(skip, 0, struct.pack("<i", 1))
+    side.synchronize()
+    for a, before in zip(arrays, inputs):
+        _assert_same_bits(a.host(), before, "a step whose flag was set after it was queued")
+    assert bool((_bits(out.values) == SENTINEL[torch.bfloat16]).all())
+    with held(side):
+        _C.cuda_adamw_step(*args, device_hparams=on_device, skip_if=skip, stream=side, **DECOY)
+        _C.cuda_store(skip, 0, struct.pack("<i", 0))
+        _C.cuda_store(on_device, 0, _C.adamw_hparams_bytes(**later))
+    side.synchronize()
+    _check_step(arrays, out, inputs, torch.bfloat16, later, "hyperparameters stored after queueing")
+    side.close()
 
 
 # ---- sum of squares ----------------------------------------------------------------------
@@ -368,7 +435,7 @@ def _sumsq_buffers():
 
 
 def _sumsq_bytes(x, out, workspace, accumulate=False, stream=None):
-    stream = _stream() if stream is None else stream
+    stream = current_stream() if stream is None else stream
     _C.cuda_sumsq(x, out, workspace, accumulate=accumulate, stream=stream)
     return _C.cuda_fetch(out, 0, 8, stream=stream)
 
@@ -378,10 +445,10 @@ def _sumsq(x, out, workspace, accumulate=False, stream=None):
 
 
 @pytest.mark.gpu
-@needs_torch_cuda
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("offset", [0, 1, 3])
-@pytest.mark.parametrize("n", SIZES + [LARGE])
+@needs_device
+# one LARGE case is enough: it sums at offsets 0 and 3, with and without vector loads
+@pytest.mark.parametrize("n, offset, dtype", _sweep(SIZES, [0, 1, 3], DTYPES,
+                                                    large_on_the_simulator=[(0, "float16")]))
 def test_sumsq_matches_the_exact_sum_and_repeats_bit_for_bit(n, offset, dtype):
     gen = torch.Generator().manual_seed(n + offset)
     values = (3 * torch.randn(n, generator=gen)).to(DTYPES[dtype])
@@ -394,7 +461,7 @@ def test_sumsq_matches_the_exact_sum_and_repeats_bit_for_bit(n, offset, dtype):
     expected = math.fsum((values.double() ** 2).tolist())
     assert value == pytest.approx(expected, rel=1e-12, abs=0)
     assert x.guards_intact()
-    _assert_same_bits(x.cpu(), values, "sumsq changed its input")
+    _assert_same_bits(x.host(), values, "sumsq changed its input")
     # The partition of the elements depends on n alone: another alignment,
     # through an rlhfz view this time, adds in the same order.
     other = Guarded(values, 3 - offset, buffer=True)
@@ -402,7 +469,7 @@ def test_sumsq_matches_the_exact_sum_and_repeats_bit_for_bit(n, offset, dtype):
 
 
 @pytest.mark.gpu
-@needs_torch_cuda
+@needs_device
 def test_sumsq_accumulates_in_double():
     out, workspace = _sumsq_buffers()
     a = Guarded(torch.randn(4097) * 1e3, 1)
@@ -413,7 +480,7 @@ def test_sumsq_accumulates_in_double():
 
 
 @pytest.mark.gpu
-@needs_torch_cuda
+@needs_device
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 @pytest.mark.parametrize("offset", [0, 1])
@@ -433,12 +500,12 @@ def test_sumsq_sees_every_nonfinite_value(dtype, bad, offset):
 
 def _found_inf_buffer():
     found = _C.Buffer(4, tier="device")
-    _C.cuda_store(found, 0, b"\0" * 4, stream=_stream())
+    _C.cuda_store(found, 0, b"\0" * 4, stream=current_stream())
     return found
 
 
 def _flag(buffer) -> int:
-    return struct.unpack("<i", _C.cuda_fetch(buffer, 0, 4, stream=_stream()))[0]
+    return struct.unpack("<i", _C.cuda_fetch(buffer, 0, 4, stream=current_stream()))[0]
 
 
 def _scaled(values, factor):
@@ -447,42 +514,40 @@ def _scaled(values, factor):
 
 
 @pytest.mark.gpu
-@needs_torch_cuda
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("offset", [0, 3])
-@pytest.mark.parametrize("n", [1, 7, 4097, 100_003, LARGE])
-@pytest.mark.parametrize("inv_scale", [1 / 1024, 1 / 3])
+@needs_device
+@pytest.mark.parametrize("n, offset, dtype, inv_scale", _sweep(
+    [1, 7, 4097, 100_003], [0, 3], DTYPES, [1 / 1024, 1 / 3],
+    large_on_the_simulator=[(0, "bfloat16", 1 / 3), (3, "float32", 1 / 1024)]))
 def test_unscale_scales_and_flags_nonfinite_grads(n, offset, dtype, inv_scale):
     gen = torch.Generator().manual_seed(n)
     values = (64 * torch.randn(n, generator=gen)).to(DTYPES[dtype])
     found = _found_inf_buffer()
     g = Guarded(values, offset)
-    _C.cuda_unscale_(g.arg, inv_scale, found, stream=_stream())
+    _C.cuda_unscale_(g.arg, inv_scale, found, stream=current_stream())
     assert g.guards_intact()
-    _assert_same_bits(g.cpu(), _scaled(values, inv_scale), "unscale")
+    _assert_same_bits(g.host(), _scaled(values, inv_scale), "unscale")
     assert _flag(found) == 0
 
     bad = values.clone()
     bad[n // 2] = float("inf")
     bad[n - 1] = float("nan")
     g = Guarded(bad, offset)
-    _C.cuda_unscale_(g.arg, inv_scale, found, stream=_stream())
+    _C.cuda_unscale_(g.arg, inv_scale, found, stream=current_stream())
     assert _flag(found) == 1
-    got, want = g.cpu(), _scaled(bad, inv_scale)
+    got, want = g.host(), _scaled(bad, inv_scale)
     assert torch.equal(torch.isnan(got), torch.isnan(want)) and g.guards_intact()
     finite = torch.isfinite(want)
     _assert_same_bits(got[finite], want[finite], "unscale beside an Inf")
     # never cleared here: a finite call after leaves the flag set
-    _C.cuda_unscale_(Guarded(values, offset).arg, inv_scale, found, stream=_stream())
+    _C.cuda_unscale_(Guarded(values, offset).arg, inv_scale, found, stream=current_stream())
     assert _flag(found) == 1
 
 
 @pytest.mark.gpu
-@needs_torch_cuda
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("offset", [0, 1])
-@pytest.mark.parametrize("n", [1, 9, 4097, 100_003, LARGE])
-@pytest.mark.parametrize("factor", [0.0, 0.5, 7.25, 1 / 3])
+@needs_device
+@pytest.mark.parametrize("n, offset, dtype, factor", _sweep(
+    [1, 9, 4097, 100_003], [0, 1], DTYPES, [0.0, 0.5, 7.25, 1 / 3],
+    large_on_the_simulator=[(0, "float16", 1 / 3), (1, "float32", 7.25)]))
 def test_scale_matches_torch_and_the_cpu_kernel(n, offset, dtype, factor):
     gen = torch.Generator().manual_seed(n)
     values = torch.randn(n, generator=gen).to(DTYPES[dtype])
@@ -491,16 +556,16 @@ def test_scale_matches_torch_and_the_cpu_kernel(n, offset, dtype, factor):
     _C.scale_(on_cpu, factor)
     _assert_same_bits(on_cpu, expected, "CPU scale_")
     x = Guarded(values, offset)
-    _C.cuda_scale_(x.arg, factor, stream=_stream())
+    _C.cuda_scale_(x.arg, factor, stream=current_stream())
     assert x.guards_intact()
-    _assert_same_bits(x.cpu(), expected, "cuda_scale_")
+    _assert_same_bits(x.host(), expected, "cuda_scale_")
     # from the device: the factor there wins over the keyword
     factor_buffer = _C.Buffer(4, tier="device")
-    _C.cuda_store(factor_buffer, 0, struct.pack("<f", factor), stream=_stream())
+    _C.cuda_store(factor_buffer, 0, struct.pack("<f", factor), stream=current_stream())
     y = Guarded(values, offset, buffer=True)
-    _C.cuda_scale_(y.arg, 123.0, scale_device=factor_buffer, stream=_stream())
+    _C.cuda_scale_(y.arg, 123.0, scale_device=factor_buffer, stream=current_stream())
     assert y.guards_intact()
-    _assert_same_bits(y.cpu(), expected, "cuda_scale_ with scale_device")
+    _assert_same_bits(y.host(), expected, "cuda_scale_ with scale_device")
 
 
 def _cast_values(n, seed):
@@ -516,7 +581,7 @@ def _cast_values(n, seed):
 
 
 @pytest.mark.gpu
-@needs_torch_cuda
+@needs_device
 @pytest.mark.parametrize("dst", DTYPES)
 @pytest.mark.parametrize("src", DTYPES)
 @pytest.mark.parametrize("offsets", [(0, 0), (1, 3), (0, 1)])
@@ -525,21 +590,21 @@ def test_cast_matches_torch_round_to_nearest_even(n, offsets, src, dst):
     values = _cast_values(n, seed=n).to(DTYPES[src])
     source = Guarded(values, offsets[0])
     target = Guarded(None, offsets[1], n=n, dtype=DTYPES[dst])
-    _C.cuda_cast_(target.arg, source.arg, stream=_stream())
+    _C.cuda_cast_(target.arg, source.arg, stream=current_stream())
     assert source.guards_intact() and target.guards_intact()
-    _assert_same_bits(source.cpu(), values, "cast changed its source")
-    _assert_same_bits(target.cpu(), values.to(DTYPES[dst]), f"cast {src} -> {dst}")
+    _assert_same_bits(source.host(), values, "cast changed its source")
+    _assert_same_bits(target.host(), values.to(DTYPES[dst]), f"cast {src} -> {dst}")
 
 
 @pytest.mark.gpu
-@needs_torch_cuda
+@needs_device
 def test_cast_of_a_large_array_and_of_nans_gives_the_cpu_bits():
     values = _cast_values(LARGE, seed=1)
     for dst in (torch.bfloat16, torch.float16):
         target = Guarded(None, 1, n=LARGE, dtype=dst)
-        _C.cuda_cast_(target.arg, Guarded(values, 0).arg, stream=_stream())
+        _C.cuda_cast_(target.arg, Guarded(values, 0).arg, stream=current_stream())
         assert target.guards_intact()
-        _assert_same_bits(target.cpu(), values.to(dst), f"large cast to {dst}")
+        _assert_same_bits(target.host(), values.to(dst), f"large cast to {dst}")
     # NaNs with payloads: quieted, the top of the payload kept, as on the CPU
     payloads = torch.tensor([0x7FC00001, 0x7F800001, 0xFFA5A5A5 - (1 << 32), 0x7FFFFFFF,
                              0x3F800000] * 5, dtype=torch.int32).view(torch.float32)
@@ -549,8 +614,8 @@ def test_cast_of_a_large_array_and_of_nans_gives_the_cpu_bits():
             on_cpu = torch.empty(source.numel(), dtype=dst)
             _C.cast_(on_cpu, source)
             target = Guarded(None, 3, n=source.numel(), dtype=dst)
-            _C.cuda_cast_(target.arg, Guarded(source, 1).arg, stream=_stream())
-            _assert_same_bits(target.cpu(), on_cpu, f"NaN cast {src} -> {dst}")
+            _C.cuda_cast_(target.arg, Guarded(source, 1).arg, stream=current_stream())
+            _assert_same_bits(target.host(), on_cpu, f"NaN cast {src} -> {dst}")
 
 
 def _cpu_cast(values, dtype):
@@ -570,7 +635,7 @@ def _sleep(ms: float) -> None:
 
 
 @pytest.mark.gpu
-@needs_torch_cuda
+@needs_real_gpu
 def test_a_kernel_on_another_stream_waits_for_torchs_pending_writes():
     """DLPack's stream handshake: a torch tensor borrowed for a kernel on
     stream s has torch order its pending writes before s's next work."""
@@ -588,7 +653,7 @@ def test_a_kernel_on_another_stream_waits_for_torchs_pending_writes():
 
 
 @pytest.mark.gpu
-@needs_torch_cuda
+@needs_real_gpu
 def test_rlhfz_streams_and_events_order_work():
     """rlhfz's own views have no handshake: an event joins the streams."""
     n = 1 << 20
@@ -610,6 +675,150 @@ def test_rlhfz_streams_and_events_order_work():
     event.close()
     with pytest.raises(ValueError, match="closed"):
         stream.synchronize()
+
+
+@pytest.mark.gpu
+@needs_simulator
+@pytest.mark.parametrize("ordered", [False, True])
+def test_an_event_orders_kernels_on_two_rlhfz_streams(ordered):
+    """The test above on the simulator, with rlhfz's streams only and
+    nothing left to timing: the first stream is held, so its scale stays in
+    flight; the sum of squares on the second sees the scaled values only
+    when an event orders it after the scale."""
+    n = 4097
+    first, second = _C.CudaStream(), _C.CudaStream()
+    assert first.handle == first.cuda_stream != 0
+    x = Guarded(torch.full((n,), 2.0), 1)
+    out, workspace = _sumsq_buffers()
+    with held(first):
+        _C.cuda_scale_(x.arg, 3.0, stream=first)        # 6.0, once the first stream runs
+        if ordered:
+            written = _C.CudaEvent()
+            written.record(first)
+            written.wait(second)
+        _C.cuda_sumsq(x.arg, out, workspace, stream=second)
+        if ordered:
+            assert not written.query()
+        else:
+            second.synchronize()                         # done already, before the scale
+    total = struct.unpack("d", _C.cuda_fetch(out, 0, 8, stream=second))[0]
+    assert total == (36.0 if ordered else 4.0) * n
+    first.synchronize()
+    assert bool((x.values == 6.0).all()) and x.guards_intact()
+    first.close()
+    second.close()
+    with pytest.raises(ValueError, match="closed"):
+        first.synchronize()
+
+
+# ---- what only the simulator can check ---------------------------------------------------
+
+class Launch:
+    """One call of a CUDA entry point on fresh guarded arrays (the same
+    values every time for the same op), and what it may write: its arrays
+    with their guards, and its device scalars. state() reads them through
+    the simulator's host alias as they are now, without synchronizing."""
+
+    ENTRY = {"adamw": "cuda_adamw_step", "sumsq": "cuda_sumsq", "unscale": "cuda_unscale_",
+             "scale": "cuda_scale_", "cast": "cuda_cast_", "copy": "cuda_cast_"}
+
+    def __init__(self, op: str, n: int = 4097, offset: int = 1):
+        self.entry = Launch.ENTRY[op]
+        values = torch.randn(n, generator=torch.Generator().manual_seed(31))
+        self.scalars = []
+        if op == "adamw":
+            self.arrays = [Guarded(t, offset) for t in _inputs(n, 31, torch.bfloat16)]
+            self.arrays.append(Guarded(None, offset, n=n, dtype=torch.bfloat16))
+            hp = HPARAMS["decay-step1000"]
+            self.call = lambda stream: _C.cuda_adamw_step(*(a.arg for a in self.arrays),
+                                                          stream=stream, **hp)
+        elif op == "sumsq":
+            x = Guarded(values, offset)
+            out, workspace = _sumsq_buffers()
+            _C.cuda_store(out, 0, struct.pack("d", 5.0))
+            self.arrays, self.scalars = [x], [out]
+            self.call = lambda stream: _C.cuda_sumsq(x.arg, out, workspace, stream=stream)
+        elif op == "unscale":
+            values[n // 2] = float("inf")
+            g = Guarded(values.to(torch.float16), offset)
+            found = _found_inf_buffer()
+            self.arrays, self.scalars = [g], [found]
+            self.call = lambda stream: _C.cuda_unscale_(g.arg, 1 / 3, found, stream=stream)
+        elif op == "scale":
+            x = Guarded(values.to(torch.bfloat16), offset)
+            self.arrays = [x]
+            self.call = lambda stream: _C.cuda_scale_(x.arg, 0.5, stream=stream)
+        else:       # a cast, or with one dtype on both sides a copy
+            dst = Guarded(None, offset, n=n, dtype=torch.float16 if op == "cast" else torch.float32)
+            src = Guarded(values, offset)
+            self.arrays = [dst, src]
+            self.call = lambda stream: _C.cuda_cast_(dst.arg, src.arg, stream=stream)
+
+    def state(self) -> list[torch.Tensor]:
+        return ([a.full.view(torch.uint8).clone() for a in self.arrays] +
+                [torch.from_dlpack(b.view("float32")).view(torch.uint8).clone()
+                 for b in self.scalars])
+
+
+def _same(state, other) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(state, other, strict=True))
+
+
+OPS = list(Launch.ENTRY)
+
+
+@pytest.mark.gpu
+@needs_simulator
+@pytest.mark.parametrize("op", OPS)
+def test_work_on_an_rlhfz_stream_is_not_seen_before_a_sync(op):
+    """Every entry point only queues its work on the stream it is given: the
+    host sees none of it until the stream is synchronized, and then the same
+    bytes as from the default stream."""
+    reference = Launch(op)
+    before = reference.state()
+    reference.call(None)
+    after = reference.state()
+    assert not _same(after, before)
+    launch = Launch(op)
+    side = _C.CudaStream()
+    with held(side):
+        launch.call(side)
+        done = _C.CudaEvent()
+        done.record(side)
+        assert not done.query()
+        assert _same(launch.state(), before), "the host saw work still queued"
+    side.synchronize()
+    assert done.query() and _same(launch.state(), after)
+    side.close()
+
+
+FAILURES = [("adamw", "kernel launch:1"), ("sumsq", "kernel launch:1"),
+            ("sumsq", "kernel launch:2"), ("unscale", "kernel launch:1"),
+            ("scale", "kernel launch:1"), ("cast", "kernel launch:1"),
+            ("copy", "cudaMemcpyAsync:1")]
+
+
+@pytest.mark.gpu
+@needs_simulator
+@pytest.mark.parametrize("op, failure", FAILURES)
+def test_an_injected_failure_raises_and_writes_nothing(op, failure):
+    """A launch (or, for a cast to the same dtype, a copy) that the runtime
+    refuses raises RuntimeError naming the entry point and the error, and
+    leaves every output as it was (sumsq's second launch failing: out too);
+    nothing of it stays behind, so the same call then goes through."""
+    launch = Launch(op)
+    before = launch.state()
+    _C.cuda_sim_inject(failure)
+    try:
+        with pytest.raises(RuntimeError, match=f"^{launch.entry}: CUDA error: "):
+            launch.call(None)
+    finally:
+        _C.cuda_sim_inject("")
+    assert _same(launch.state(), before)
+    launch.call(None)
+    reference = Launch(op)
+    reference.call(None)
+    assert _same(launch.state(), reference.state())
 
 
 # ---- bad input ----------------------------------------------------------------------------
@@ -634,13 +843,13 @@ def test_host_arrays_are_refused_before_any_device_work():
 
 
 @pytest.mark.gpu
-@needs_torch_cuda
+@needs_device
 def test_bad_arguments_raise_and_change_nothing():
     n = 33
     inputs = _inputs(n, seed=1, grad_dtype=torch.float32)
-    cuda = [t.cuda() for t in inputs]
-    master, exp_avg, exp_avg_sq, grad = cuda
-    s = _stream()
+    on_device = [to_device(t) for t in inputs]
+    master, exp_avg, exp_avg_sq, grad = on_device
+    s = current_stream()
 
     def step(*arrays, **kwargs):
         _C.cuda_adamw_step(*arrays, stream=s, **{**HP, **kwargs})
@@ -654,9 +863,8 @@ def test_bad_arguments_raise_and_change_nothing():
     with pytest.raises(ValueError, match="has 32 elements"):
         step(master, exp_avg, exp_avg_sq, grad[:32])
     with pytest.raises(ValueError, match="elements"):
-        step(master, exp_avg, exp_avg_sq, grad, torch.empty(n + 1, dtype=torch.bfloat16,
-                                                            device="cuda"))
-    wide = torch.zeros(2 * n, device="cuda")
+        step(master, exp_avg, exp_avg_sq, grad, empty(n + 1, torch.bfloat16))
+    wide = zeros(2 * n)
     with pytest.raises(ValueError, match="overlap"):
         step(wide[:n], wide[1:n + 1], exp_avg_sq, grad)
     with pytest.raises(ValueError, match="overlap"):
@@ -664,16 +872,16 @@ def test_bad_arguments_raise_and_change_nothing():
     with pytest.raises(ValueError, match="overlap"):
         step(master, exp_avg, exp_avg_sq, grad, master)
     with pytest.raises(TypeError, match="must be float32"):
-        step(master.bfloat16(), exp_avg, exp_avg_sq, grad)
+        step(to_device(inputs[0].bfloat16()), exp_avg, exp_avg_sq, grad)
     with pytest.raises(TypeError, match="device tier"):
-        step(master, exp_avg, exp_avg_sq, grad, skip_if=torch.zeros(1, device="cuda"))
+        step(master, exp_avg, exp_avg_sq, grad, skip_if=zeros(1))
     with pytest.raises(BufferError, match="device tier"):
         step(master, exp_avg, exp_avg_sq, grad, skip_if=_C.Buffer(4))
     with pytest.raises(ValueError, match="needs at least"):
         step(master, exp_avg, exp_avg_sq, grad, device_hparams=_C.Buffer(8, tier="device"))
     with pytest.raises(TypeError, match="stream must be"):
         _C.cuda_adamw_step(master, exp_avg, exp_avg_sq, grad, stream="default", **HP)
-    for got, before in zip(cuda, inputs):
+    for got, before in zip(on_device, inputs):
         _assert_same_bits(got, before, "a refused call changed an array")
 
     out, workspace = _sumsq_buffers()
@@ -682,10 +890,9 @@ def test_bad_arguments_raise_and_change_nothing():
     with pytest.raises(ValueError, match="needs at least"):
         _C.cuda_sumsq(grad, out, _C.Buffer(8, tier="device"), stream=s)
     with pytest.raises(TypeError):
-        _C.cuda_sumsq(grad, torch.zeros(1, dtype=torch.float64, device="cuda"), workspace,
-                      stream=s)
+        _C.cuda_sumsq(grad, zeros(1, torch.float64), workspace, stream=s)
     with pytest.raises(ValueError, match="elements"):
-        _C.cuda_cast_(torch.empty(n, dtype=torch.bfloat16, device="cuda"), grad[:32], stream=s)
+        _C.cuda_cast_(empty(n, torch.bfloat16), grad[:32], stream=s)
     with pytest.raises(ValueError, match="overlap"):
         _C.cuda_cast_(wide[1:n + 1], wide[:n], stream=s)
     with pytest.raises(ValueError, match="lie outside"):
@@ -767,7 +974,7 @@ def _sanitizer():
 
 
 @pytest.mark.gpu
-@needs_torch_cuda
+@needs_real_gpu
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck", "initcheck", "synccheck"])
 def test_kernels_under_compute_sanitizer(tool):
     sanitizer = _sanitizer()

@@ -3,8 +3,11 @@
 Every check (hyperparameters, streams, where arrays live, dtypes, sizes,
 overlap, devices, device scalars) happens on the host, so it is tested here
 on hand-built kDLCUDA capsules: without a usable device the call then stops
-at the CUDA check, with the reason. The kernels themselves are tested on a
-GPU (test_cuda_kernels.py).
+at the CUDA check, with the reason. With a device (a GPU, or the simulated
+runtime: tests/device_support.py) the stream handshake is tested on capsules
+of real device memory, and on the simulator valid arguments over host
+memory go as far as the launch, which refuses them. The kernels themselves
+are tested in test_cuda_kernels.py.
 """
 import struct
 
@@ -13,6 +16,7 @@ import pytest
 import torch
 
 import rlhfz
+from device_support import needs_device, needs_simulator, synchronize, zeros
 from dlpack_handmade import Handmade
 from rlhfz import _C
 
@@ -34,6 +38,16 @@ def adamw_args(n=4, **sizes):
     return made, [m.capsule for m in made]
 
 
+def device_capsule(buffer, n, *, bits=32, code=2):
+    """A Handmade kDLCUDA capsule over the real device memory of a Buffer
+    (the Handmade keeps the Buffer alive)."""
+    made = Handmade(np.zeros(1, dtype=np.float32), shape=(n,), code=code, bits=bits,
+                    device=(KDLCUDA, buffer.device))
+    made.managed.dl_tensor.data = buffer.address
+    made.buffer = buffer
+    return made
+
+
 @without_cuda
 def test_valid_arguments_stop_at_the_cuda_check_with_the_reason():
     keep, arrays = adamw_args()
@@ -52,6 +66,45 @@ def test_valid_arguments_stop_at_the_cuda_check_with_the_reason():
         _C.cuda_fetch(_C.Buffer(8), 0, 8)
     with pytest.raises(RuntimeError, match="cuda_store: "):
         _C.cuda_store(_C.Buffer(8), 0, b"\0" * 8)
+
+
+@pytest.mark.gpu
+@needs_simulator
+@pytest.mark.parametrize("memory", ["host", "alias"])
+def test_a_host_address_never_reaches_a_kernel(memory):
+    """The simulator's side of the test above: valid arguments claimed to be
+    CUDA memory but over memory the host can touch (its own, or the host
+    alias of device memory) pass every check and stop at the launch, where
+    a GPU would fault; nothing is written."""
+    backings = []
+
+    def fake(n=8, bits=32):
+        dtype = np.float32 if bits == 32 else np.float16
+        if memory == "host":
+            backing = np.full(n, 1.5, dtype=dtype)
+        else:      # the alias, as numpy sees it: the tensor behind it keeps it alive
+            backing = zeros(n, torch.float32 if bits == 32 else torch.float16).numpy()
+            backing[:] = 1.5
+        backings.append(backing)
+        return cuda_array(n, bits=bits, data=backing)
+
+    out = _C.Buffer(8, "device")
+    workspace = _C.Buffer(_C.cuda_sumsq_workspace_bytes(), "device")
+    found = _C.Buffer(4, "device")
+    keep = [fake() for _ in range(5)]
+    half = fake(bits=16)
+    calls = {
+        "cuda_adamw_step": lambda: _C.cuda_adamw_step(*(m.capsule for m in keep), **HP),
+        "cuda_sumsq": lambda: _C.cuda_sumsq(fake().capsule, out, workspace),
+        "cuda_unscale_": lambda: _C.cuda_unscale_(fake().capsule, 0.5, found),
+        "cuda_scale_": lambda: _C.cuda_scale_(fake().capsule, 2.0),
+        "cuda_cast_": lambda: _C.cuda_cast_(fake().capsule, half.capsule),
+    }
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError, match=f"^{name}: CUDA error: an illegal memory access"):
+            call()
+    assert all((backing == 1.5).all() for backing in backings)
+    assert _C.cuda_fetch(out, 0, 8) == b"\0" * 8 and _C.cuda_fetch(found, 0, 4) == b"\0" * 4
 
 
 @pytest.mark.parametrize("change, error, message", [
@@ -143,8 +196,8 @@ def test_transfers_check_their_byte_range():
 class RecordingProducer:
     """A CUDA producer that records the stream its consumer asks for."""
 
-    def __init__(self):
-        self.made = cuda_array()
+    def __init__(self, made=None):
+        self.made = made if made is not None else cuda_array()
         self.streams = []
 
     def __dlpack_device__(self):
@@ -167,6 +220,33 @@ def test_the_kernel_stream_goes_to_the_producer(stream, expected):
         with pytest.raises(RuntimeError, match="cuda_cast_: "):
             _C.cuda_cast_(producer, src.capsule, stream=given)
         assert producer.streams == [expected]
+
+
+@pytest.mark.gpu
+@needs_device
+@pytest.mark.parametrize("stream", [None, 0, 1, 2, "rlhfz"])
+def test_the_kernel_stream_goes_to_a_device_producer(stream):
+    """The handshake above with device memory behind the capsule: the
+    producer is asked for the kernel's stream, and the kernel writes the
+    memory it handed over. ("rlhfz": a stream of rlhfz's own, given as the
+    object and as its handle; a made-up handle would reach the runtime here.)"""
+    n = 1029
+    side = _C.CudaStream() if stream == "rlhfz" else None
+    expected = side.handle if side else {None: 1, 0: 1, 1: 1, 2: 2}[stream]
+    values = torch.arange(n, dtype=torch.float32).to(torch.bfloat16)
+    source = _C.Buffer(2 * n, "device")
+    _C.cuda_store(source, 0, values.view(torch.int16).numpy().tobytes())
+
+    class Torchlike:
+        cuda_stream = side.handle if side else stream
+    for given in (stream,) if stream is None else (side or stream, Torchlike()):
+        target = _C.Buffer(4 * n, "device")
+        producer = RecordingProducer(device_capsule(target, n))
+        _C.cuda_cast_(producer, source.view("bfloat16"), stream=given)
+        assert producer.streams == [expected]
+        synchronize()
+        got = np.frombuffer(_C.cuda_fetch(target, 0, 4 * n), dtype=np.float32)
+        assert (got == values.float().numpy()).all()
 
 
 def test_host_producers_are_not_given_a_stream():

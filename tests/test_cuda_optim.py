@@ -2,9 +2,9 @@
 and training matches torch.optim.AdamW(fused=True) step for step.
 
 fused AdamW contracts its arithmetic into FMAs and orders it differently,
-so params agree to fp32 rounding (rtol 1e-5), not bit for bit. Marked gpu
-(conftest skips these when rlhfz sees no device) and skipped when torch
-sees none.
+so params agree to fp32 rounding (rtol 1e-5), not bit for bit. Runs on a GPU
+and on the simulated CUDA runtime (tests/device_support.py), where the
+reference is torch's fused AdamW on the CPU.
 """
 import copy
 import io
@@ -13,14 +13,19 @@ import pytest
 import torch
 
 import rlhfz
+from device_support import DEVICE, SIMULATED, needs_device, needs_real_gpu, on_device, params_on_device
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(),
-                                 reason="needs torch with a CUDA device")]
+pytestmark = [pytest.mark.gpu, needs_device]
 
 KINDS = ("params", "grads", "master", "exp_avg", "exp_avg_sq")
 STEPS = 200
 CHECK_EVERY = 20
+
+
+@pytest.fixture(autouse=True)
+def _params_on_device(monkeypatch):
+    with params_on_device(monkeypatch):
+        yield
 
 
 @pytest.fixture(autouse=True)
@@ -54,7 +59,7 @@ class Net(torch.nn.Module):
 def _nets(seed=0, dtype=torch.float32):
     """Two identical nets on the device."""
     torch.manual_seed(seed)
-    net = Net().to(device="cuda", dtype=dtype)
+    net = Net().to(device=DEVICE, dtype=dtype)
     return net, copy.deepcopy(net)
 
 
@@ -65,8 +70,8 @@ def _groups(net):
 
 
 def _batch(gen, dtype=torch.float32):
-    x = torch.randn(16, 64, generator=gen).to("cuda", dtype)
-    y = torch.randn(16, 32, generator=gen).to("cuda", dtype)
+    x = torch.randn(16, 64, generator=gen).to(DEVICE, dtype)
+    y = torch.randn(16, 32, generator=gen).to(DEVICE, dtype)
     return x, y
 
 
@@ -85,8 +90,8 @@ def _assert_params_close(ours, ref, what, rtol=1e-5, atol=1e-6):
 
 
 def test_buckets_and_state_live_on_the_device():
-    net = Net().to("cuda")
-    half = torch.nn.Parameter(torch.randn(33, device="cuda", dtype=torch.bfloat16))
+    net = Net().to(DEVICE)
+    half = torch.nn.Parameter(torch.randn(33, dtype=torch.bfloat16).to(DEVICE))
     params = list(net.parameters()) + [half]
     opt = rlhfz.ZeroAdamW(params, lr=1e-3)
     assert opt.placement() == {kind: "device" for kind in KINDS}
@@ -96,7 +101,7 @@ def test_buckets_and_state_live_on_the_device():
         assert report[kind]["host"] == report[kind]["pinned"] == 0, kind
     # fp32 params are their own master; only the bf16 bucket has a copy
     assert report["master"]["device"] < report["exp_avg"]["device"]
-    assert all(p.is_cuda for p in params)
+    assert all(on_device(p) for p in params)
 
     pointers = [p.data_ptr() for p in params]
     gen = torch.Generator().manual_seed(0)
@@ -113,11 +118,12 @@ def test_buckets_and_state_live_on_the_device():
         grad_pointers = current
     for p in params:
         state = opt.state[p]
-        assert state["exp_avg"].is_cuda and state["exp_avg_sq"].is_cuda
-    assert opt.state[half]["master_param"].is_cuda
+        assert on_device(state["exp_avg"]) and on_device(state["exp_avg_sq"])
+    assert on_device(opt.state[half]["master_param"])
     assert opt.state[half]["master_param"].dtype == torch.float32
 
 
+@needs_real_gpu
 def test_params_on_two_devices_are_refused():
     with pytest.raises(ValueError, match="one device"):
         rlhfz.ZeroAdamW([torch.nn.Parameter(torch.ones(4, device="cuda")),
@@ -196,7 +202,7 @@ def test_clip_grad_norm_matches_torch():
         (100 * torch.nn.functional.mse_loss(net(x), y)).backward()
     norm = opt.clip_grad_norm_(1.0)
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-    assert norm.is_cuda and ref_norm.item() > 1.0        # it did clip
+    assert norm.device == DEVICE and ref_norm.item() > 1.0        # it did clip
     # rlhfz sums squares in float64, torch in float32
     assert norm.item() == pytest.approx(ref_norm.item(), rel=1e-5)
     for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
@@ -232,12 +238,12 @@ def _assert_unchanged(opt, params, snap):
 def test_nonfinite_grad_changes_nothing(policy, dtype, bad):
     gen = torch.Generator().manual_seed(4)
     shapes = [(37, 19), (7,), (1000,)]
-    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to("cuda", dtype)) for s in shapes]
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(DEVICE, dtype)) for s in shapes]
     opt = rlhfz.ZeroAdamW(params, lr=1e-2, weight_decay=0.1, nonfinite=policy)
 
     def set_grads():
         for p in params:
-            p.grad = torch.randn(p.shape, generator=gen).to("cuda", dtype)
+            p.grad = torch.randn(p.shape, generator=gen).to(DEVICE, dtype)
 
     for _ in range(3):
         set_grads()
@@ -285,7 +291,8 @@ def test_state_dict_interchanges_with_torch_fused_adamw(direction):
     assert dst.param_groups[0]["lr"] == 2e-3
     for p, q in zip(src_net.parameters(), dst_net.parameters()):
         for name in ("exp_avg", "exp_avg_sq"):
-            assert dst.state[q][name].is_cuda
+            # (torch's optimizer on the simulator keeps its state on the host)
+            assert on_device(dst.state[q][name]) or (SIMULATED and dst_cls is torch.optim.AdamW)
             assert torch.equal(dst.state[q][name], src.state[p][name]), name
     gen_a, gen_b = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
     for _ in range(15):
@@ -298,17 +305,17 @@ def test_state_dict_interchanges_with_torch_fused_adamw(direction):
 
 def test_bf16_state_dict_round_trips_master_weights():
     gen = torch.Generator().manual_seed(6)
-    p = torch.nn.Parameter(torch.randn(4097, generator=gen).to("cuda", torch.bfloat16))
+    p = torch.nn.Parameter(torch.randn(4097, generator=gen).to(DEVICE, torch.bfloat16))
     opt = rlhfz.ZeroAdamW([p], lr=1e-3)
-    p.grad = torch.randn(4097, generator=gen).to("cuda", torch.bfloat16)
+    p.grad = torch.randn(4097, generator=gen).to(DEVICE, torch.bfloat16)
     opt.step()
     sd = copy.deepcopy(opt.state_dict())
     master = sd["state"][0]["master_param"]
-    assert master.dtype == torch.float32 and master.is_cuda
+    assert master.dtype == torch.float32 and master.device == DEVICE
     q = torch.nn.Parameter(p.detach().clone())
     opt2 = rlhfz.ZeroAdamW([q], lr=1e-3)
     opt2.load_state_dict(sd)
-    grad = torch.randn(4097, generator=gen).to("cuda", torch.bfloat16)
+    grad = torch.randn(4097, generator=gen).to(DEVICE, torch.bfloat16)
     for param, o in ((p, opt), (q, opt2)):
         param.grad = grad.clone()
         o.step()
@@ -317,6 +324,7 @@ def test_bf16_state_dict_round_trips_master_weights():
     assert torch.equal(p, q)
 
 
+@needs_real_gpu
 def test_step_runs_on_torchs_current_stream():
     """On a side stream, a step queued after a slow grad write sees the new
     grads: the finiteness check and the kernel run in that stream's order."""

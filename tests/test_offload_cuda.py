@@ -3,30 +3,41 @@
 Device to pinned and to pageable host memory and back, bitwise; after
 offload the driver's free memory rises by at least 99% of the bytes the
 optimizer owned on the device, with no empty_cache; training through
-offload/reload cycles is bitwise the training without. Skipped without a GPU.
+offload/reload cycles is bitwise the training without. Runs on a GPU and on
+the simulated CUDA runtime (tests/device_support.py), whose count of free
+device memory is exact, and where injected runtime failures check that a
+failed move leaves everything where it was.
 """
+import threading
+
 import pytest
 import torch
 
 import rlhfz
+from device_support import (DEVICE, SIMULATED, mem_get_info, needs_device, needs_simulator,
+                            on_device, params_on_device, synchronize)
 from rlhfz import _C
 from state_snapshots import assert_same, snapshot
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs torch with CUDA")]
+pytestmark = [pytest.mark.gpu, needs_device]
+
+
+@pytest.fixture(autouse=True)
+def _params_on_device(monkeypatch):
+    with params_on_device(monkeypatch):
+        yield
 
 
 def make(dtype=torch.float32, width=1024, **options):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU(),
-                                torch.nn.Linear(width, 17)).to("cuda", dtype)
+                                torch.nn.Linear(width, 17)).to(DEVICE, dtype)
     return model, rlhfz.ZeroAdamW(model.parameters(), lr=1e-3, **options)
 
 
 def train_step(model, opt, step):
-    gen = torch.Generator(device="cuda").manual_seed(step)
-    x = torch.randn(32, model[0].in_features, device="cuda", generator=gen,
-                    dtype=model[0].weight.dtype)
+    gen = torch.Generator().manual_seed(step)
+    x = torch.randn(32, model[0].in_features, generator=gen).to(DEVICE, model[0].weight.dtype)
     opt.zero_grad()
     model(x).float().square().mean().backward()
     opt.step()
@@ -46,7 +57,7 @@ def test_device_to_host_and_back_is_exact(pin_memory, tier, dtype):
     opt.reload()
     assert set(opt.placement().values()) == {"device"}
     assert weight is model[0].weight and state is opt.state[weight]["exp_avg"]
-    assert weight.device.type == "cuda"
+    assert on_device(weight)
     assert_same(before, snapshot(model, opt))
     train_step(model, opt, 1)
 
@@ -54,11 +65,11 @@ def test_device_to_host_and_back_is_exact(pin_memory, tier, dtype):
 def test_offload_gives_device_memory_back_to_the_driver():
     model, opt = make(width=4096)          # ~200 MB of optimizer-owned device memory
     train_step(model, opt, 0)
-    torch.cuda.synchronize()
+    synchronize()
     owned = sum(per_tier["device"] for per_tier in opt.memory_report().values())
-    free_before, _ = _C.cuda_mem_get_info(torch.cuda.current_device())
+    free_before, _ = mem_get_info()
     opt.offload()
-    free_after, _ = _C.cuda_mem_get_info(torch.cuda.current_device())
+    free_after, _ = mem_get_info()
     assert free_after - free_before >= 0.99 * owned, (free_before, free_after, owned)
     opt.reload()
     train_step(model, opt, 1)
@@ -86,7 +97,7 @@ def test_a_failed_reload_leaves_the_state_on_the_host(monkeypatch):
 
     def out_of_memory(nbytes, **kwargs):
         calls.append(nbytes)
-        if len(calls) == 3:
+        if len(calls) >= 3:       # also when reload tries again after emptying torch's cache
             raise MemoryError("simulated device OOM")
         return real(nbytes, **kwargs)
     monkeypatch.setattr(opt.backend, "buffer", out_of_memory)
@@ -116,3 +127,108 @@ def test_host_resident_state_matches_device_training(ratio, dtype):
     for key in a:
         torch.testing.assert_close(b[key].cpu().float(), a[key].cpu().float(), rtol=1e-6,
                                    atol=1e-6 * a[key].abs().max().item(), msg=key)
+
+
+@needs_simulator
+@pytest.mark.parametrize("calls, raises", [
+    ("cudaMalloc:3,cudaMalloc:5", MemoryError),    # and again when reload tries once more
+    ("cudaMalloc:3", None),                        # the second try goes through
+    ("cudaMemcpyAsync:2", RuntimeError),
+])
+def test_a_runtime_failure_mid_reload_loses_nothing(calls, raises):
+    """The simulated runtime fails calls of a reload (allocations, a copy):
+    the reload raises, everything stays on the host as it was, and a second
+    reload brings it all back. An allocation that fails once is tried again."""
+    model, opt = make(torch.bfloat16)
+    train_step(model, opt, 0)
+    before = snapshot(model, opt)
+    opt.offload()
+    _C.cuda_sim_inject(calls)
+    try:
+        if raises is None:
+            opt.reload()
+        else:
+            with pytest.raises(raises):
+                opt.reload()
+            assert opt.placement()["params"] in ("pinned", "host")
+        assert_same(before, snapshot(model, opt))
+    finally:
+        _C.cuda_sim_inject("")
+    opt.reload()
+    assert set(opt.placement().values()) == {"device"}
+    assert_same(before, snapshot(model, opt))
+    train_step(model, opt, 1)
+
+
+@needs_simulator
+def test_a_failed_step_kernel_changes_nothing():
+    """An injected launch failure of the step's kernel raises, and the
+    params and state are those of the last good step."""
+    model, opt = make(torch.bfloat16)
+    launched = _C.cuda_sim_calls("kernel launch")
+    train_step(model, opt, 0)
+    per_step = _C.cuda_sim_calls("kernel launch") - launched    # the step's kernel is the last
+    before = snapshot(model, opt)
+    _C.cuda_sim_inject(f"kernel launch:{per_step}")
+    try:
+        with pytest.raises(RuntimeError, match="cuda_adamw_step"):
+            train_step(model, opt, 1)
+    finally:
+        _C.cuda_sim_inject("")
+    after = snapshot(model, opt)
+    for key in before:
+        if "grad" not in key:
+            assert torch.equal(before[key], after[key]), key
+
+
+@needs_simulator
+def test_offload_cycles_reuse_the_pinned_memory():
+    """A sleep/wake loop pins once: reload keeps the pinned buffers for the
+    next offload (pinning and unpinning every cycle costs seconds per 10 GB,
+    and unpinning synchronizes the device); release_pinned gives them back."""
+    model, opt = make(torch.bfloat16, pin_memory=True)
+    train_step(model, opt, 0)
+    rlhfz.release_pinned()
+    counts = None
+    for cycle in range(4):
+        opt.offload()
+        assert opt.placement()["exp_avg"] == "pinned"
+        opt.reload()
+        train_step(model, opt, cycle + 1)
+        if counts is None:       # the first cycle pins
+            counts = (_C.cuda_sim_calls("cudaHostAlloc"), _C.cuda_sim_calls("cudaFreeHost"))
+    assert (_C.cuda_sim_calls("cudaHostAlloc"), _C.cuda_sim_calls("cudaFreeHost")) == counts
+    rlhfz.release_pinned()
+    assert _C.cuda_sim_calls("cudaFreeHost") > counts[1]
+
+
+@needs_simulator
+def test_a_non_blocking_offload_returns_with_its_copies_in_flight():
+    """The copies run on rlhfz's copy stream (held here, so they stay in
+    flight): offload(non_blocking=True) returns without waiting for them,
+    which it could not if it freed the device memory they read (cudaFree
+    synchronizes the device): that memory is freed behind their event. What
+    comes next waits for them: the reload's copies queue behind, and a step
+    or state dict first settles them. Nothing is lost."""
+    model, opt = make(torch.bfloat16)
+    train_step(model, opt, 0)
+    before = snapshot(model, opt)
+    owned = sum(per_tier["device"] for per_tier in opt.memory_report().values())
+    free_before, _ = mem_get_info()
+    token = _C.cuda_sim_hold(opt.backend.copy_stream())
+    returned = threading.Event()
+    mover = threading.Thread(target=lambda: (opt.offload(non_blocking=True), returned.set()))
+    mover.start()
+    try:
+        assert returned.wait(20), "offload(non_blocking=True) waited for its copies"
+        assert opt.placement()["params"] == "pinned"
+        assert mem_get_info()[0] < free_before + owned     # still held: the copies read it
+    finally:
+        _C.cuda_sim_release(token)
+        mover.join()
+    opt.synchronize()
+    assert mem_get_info()[0] >= free_before + owned
+    assert_same(before, snapshot(model, opt))
+    opt.reload(non_blocking=True)
+    assert_same(before, snapshot(model, opt))          # the reads wait for the copies
+    train_step(model, opt, 1)
