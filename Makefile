@@ -14,7 +14,8 @@ TORCH_PIN ?= torch==2.13.0
 DEPS := $(TORCH_PIN) numpy pytest pytest-benchmark pytest-timeout hypothesis "setuptools>=64" \
 	wheel build nvidia-nccl-cu13 transformers trl==1.13.0 requests
 
-.PHONY: deps install demo test wheel-check bench gpu-check gpu-sanitize clean
+.PHONY: deps install demo test wheel-check sim-deps test-sim test-chaos bench gpu-check gpu-sanitize \
+	clean
 
 deps:
 	$(PIP) install --quiet --disable-pip-version-check $(DEPS)
@@ -45,6 +46,12 @@ sim-deps: deps
 
 test-sim: sim-deps
 	$(PYTHON) tools/sim/run.py --coverage $(SIM_TESTS)
+
+# The device tests once per seed of RLHFZ_SIM_CHAOS (random delays on every
+# stream, blocks and threads in random order): a missing wait fails a test.
+CHAOS_SEEDS ?= 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20
+test-chaos: sim-deps
+	$(PYTHON) tools/sim/run.py --chaos-seeds "$(CHAOS_SEEDS)" $(SIM_TESTS)
 
 bench: install
 	$(PYTHON) -m pytest -q benchmarks --benchmark-columns=min,mean,stddev,rounds \

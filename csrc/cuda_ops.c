@@ -72,17 +72,23 @@ typedef rlhfz_status (*cuda_launch)(const void *args, void *stream);
 #endif
 
 /* Checks that CUDA is usable, makes `device` current for the launch, gives
- * the caller's device back (torch reads the runtime's), releases the
- * borrowed arrays and turns the status into None or an exception. */
-static PyObject *launch_on(const char *what, int device, cuda_launch launch, const void *args,
-                           void *stream, rlhfz_borrowed *b)
+ * the caller's device back (torch reads the runtime's), keeps the DLPack
+ * borrows until the kernel is done (cuda_inflight.c), releases the rest and
+ * turns the status into None or an exception. */
+static PyObject *launch_on(PyObject *module, const char *what, int device, cuda_launch launch,
+                           const void *args, void *stream, rlhfz_borrowed *b)
 {
     if (rlhfz_require_cuda(what) < 0 || launch == NULL) {
         rlhfz_borrowed_release(b);
         return NULL;
     }
 #ifdef RLHFZ_WITH_CUDA
+    rlhfz_inflight *inflight = rlhfz_get_state(module)->inflight;
+    rlhfz_inflight_sweep(inflight);
+    int keep = rlhfz_inflight_needed(b);
+    void *event = keep ? rlhfz_inflight_spare_event(inflight, device) : NULL;
     rlhfz_status status;
+    int kept = 0;                /* the borrows wait behind `event` */
     Py_BEGIN_ALLOW_THREADS
     int previous = device;
     status = rlhfz_cuda_get_device(&previous);
@@ -90,10 +96,28 @@ static PyObject *launch_on(const char *what, int device, cuda_launch launch, con
         status = rlhfz_cuda_set_device(device);
     if (status == RLHFZ_OK) {
         status = launch(args, stream);
+        if (status == RLHFZ_OK && keep) {
+            rlhfz_status fenced = event != NULL ? RLHFZ_OK : rlhfz_cuda_event_create(&event);
+            if (fenced == RLHFZ_OK)
+                fenced = rlhfz_cuda_event_record(event, stream);
+            kept = fenced == RLHFZ_OK;
+            if (!kept)           /* no event to wait behind: wait for the kernel here */
+                (void)rlhfz_cuda_stream_synchronize(stream);
+        }
         if (previous != device)
             rlhfz_cuda_set_device(previous);
     }
     Py_END_ALLOW_THREADS
+    if (kept && rlhfz_inflight_keep(inflight, b, event, device) < 0) {
+        /* no memory to keep them: the kernel is queued, so wait for it here */
+        PyErr_Clear();
+        Py_BEGIN_ALLOW_THREADS
+        (void)rlhfz_cuda_event_synchronize(event);
+        Py_END_ALLOW_THREADS
+        kept = 0;
+    }
+    if (!kept && event != NULL)
+        rlhfz_cuda_event_destroy(event);
     rlhfz_borrowed_release(b);
     if (rlhfz_raise_status(status, what) < 0)
         return NULL;
@@ -197,7 +221,7 @@ static PyObject *cuda_adamw_step(PyObject *module, PyObject *const *args, Py_ssi
     }
     a.skip_if = skip_if;
     a.device_hparams = device_hparams;
-    return launch_on("cuda_adamw_step", device, LAUNCHER(launch_adamw), &a, stream, &b);
+    return launch_on(module, "cuda_adamw_step", device, LAUNCHER(launch_adamw), &a, stream, &b);
 }
 
 static PyObject *cuda_sumsq_workspace_bytes(PyObject *module, PyObject *unused)
@@ -241,7 +265,7 @@ static PyObject *cuda_sumsq(PyObject *module, PyObject *const *args, Py_ssize_t 
     a.x = x->data;
     a.dtype = x->dtype;
     a.n = x->numel;
-    return launch_on("cuda_sumsq", device, LAUNCHER(launch_sumsq), &a, stream, &b);
+    return launch_on(module, "cuda_sumsq", device, LAUNCHER(launch_sumsq), &a, stream, &b);
 }
 
 /* The one array of an in-place elementwise op, and its device scalar. */
@@ -288,7 +312,7 @@ static PyObject *cuda_unscale_(PyObject *module, PyObject *const *args, Py_ssize
         rlhfz_borrowed_release(&b);
         return NULL;
     }
-    return launch_on("cuda_unscale_", device, LAUNCHER(launch_unscale), &a, stream, &b);
+    return launch_on(module, "cuda_unscale_", device, LAUNCHER(launch_unscale), &a, stream, &b);
 }
 
 static PyObject *cuda_scale_(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
@@ -316,7 +340,7 @@ static PyObject *cuda_scale_(PyObject *module, PyObject *const *args, Py_ssize_t
         rlhfz_borrowed_release(&b);
         return NULL;
     }
-    return launch_on("cuda_scale_", device, LAUNCHER(launch_scale), &a, stream, &b);
+    return launch_on(module, "cuda_scale_", device, LAUNCHER(launch_scale), &a, stream, &b);
 }
 
 static PyObject *cuda_cast_(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
@@ -344,7 +368,7 @@ static PyObject *cuda_cast_(PyObject *module, PyObject *const *args, Py_ssize_t 
     }
     elementwise_launch_args a = {.x = dst->data, .dtype = dst->dtype, .src = src->data,
                                  .src_dtype = src->dtype, .n = dst->numel};
-    return launch_on("cuda_cast_", dst->device.device_id, LAUNCHER(launch_cast), &a, stream, &b);
+    return launch_on(module, "cuda_cast_", dst->device.device_id, LAUNCHER(launch_cast), &a, stream, &b);
 }
 
 /* ---- small transfers of device scalars ---------------------------------------------- */

@@ -169,6 +169,7 @@ static PyObject *cuda_synchronize(PyObject *module, PyObject *arg)
         rlhfz_raise_cuda("cuda_synchronize");
         return NULL;
     }
+    rlhfz_inflight_sweep(rlhfz_get_state(module)->inflight);   /* their kernels are done */
 #endif
     Py_RETURN_NONE;
 }
@@ -224,6 +225,9 @@ static PyMethodDef module_methods[] = {
 static int module_exec(PyObject *module)
 {
     rlhfz_state *state = rlhfz_get_state(module);
+    state->inflight = rlhfz_inflight_new();
+    if (state->inflight == NULL)
+        return -1;
     if (rlhfz_buffer_add_types(module, state) < 0)
         return -1;
     if (PyModule_AddFunctions(module, rlhfz_cpu_ops_methods) < 0)
@@ -259,6 +263,9 @@ static int module_clear(PyObject *module)
 
 static void module_free(void *module)
 {
+    rlhfz_state *state = rlhfz_get_state((PyObject *)module);
+    rlhfz_inflight_free(state->inflight);
+    state->inflight = NULL;
     module_clear((PyObject *)module);
 }
 

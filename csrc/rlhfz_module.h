@@ -18,9 +18,12 @@
 #define RLHFZ_MAX_NDIM 8
 #define RLHFZ_DEFAULT_ALIGNMENT 64
 
+typedef struct rlhfz_inflight rlhfz_inflight;
+
 typedef struct {
     PyTypeObject *Buffer_type;
     PyTypeObject *BufferView_type;
+    rlhfz_inflight *inflight;    /* cuda_inflight.c: borrows kernels still read */
 } rlhfz_state;
 
 typedef enum {
@@ -164,6 +167,19 @@ int rlhfz_check_same_device(const rlhfz_array *const *arrays, const char *const 
 int rlhfz_adamw_shard_from_args(PyObject *module, rlhfz_borrowed *b, PyObject *const *slots,
                                 rlhfz_place place, void *stream, rlhfz_adamw_shard *shard,
                                 int *device);
+/* cuda_inflight.c: DLPack borrows of a queued kernel, kept until the event
+ * recorded after its launch is done. */
+rlhfz_inflight *rlhfz_inflight_new(void);
+void rlhfz_inflight_free(rlhfz_inflight *inflight);
+/* Whether b holds a DLPack borrow (rlhfz views need no keeping). */
+int rlhfz_inflight_needed(const rlhfz_borrowed *b);
+/* An event of `device` to record again, or NULL. */
+void *rlhfz_inflight_spare_event(rlhfz_inflight *inflight, int device);
+/* Moves b's DLPack borrows behind the recorded event; -1 with an exception. */
+int rlhfz_inflight_keep(rlhfz_inflight *inflight, rlhfz_borrowed *b, void *event, int device);
+/* Lets go of the borrows whose events are done. */
+void rlhfz_inflight_sweep(rlhfz_inflight *inflight);
+
 /* Raises the Python exception for a kernel's status (0 for RLHFZ_OK). */
 int rlhfz_raise_status(rlhfz_status status, const char *what);
 /* slots: lr, beta1, beta2, eps, weight_decay, step (required), maximize,

@@ -109,7 +109,7 @@ static void launch_adamw(const rlhfz_adamw_shard *shard, const rlhfz_adamw_hpara
                          const rlhfz_adamw_hparams *hp_device, const int *skip_if_nonzero,
                          bool vector, cudaStream_t stream)
 {
-    unsigned int grid = rlhfz_elementwise_grid(shard->n, vector);
+    unsigned int grid = rlhfz_elementwise_grid(rlhfz_adamw_kernel<G, OUT>, shard->n, vector);
     RLHFZ_LAUNCH(grid, RLHFZ_BLOCK, 0, stream, rlhfz_adamw_kernel<G, OUT>)(
         shard->master, shard->exp_avg, shard->exp_avg_sq, shard->grad, shard->param_out,
         shard->n, hp, hp_device, skip_if_nonzero, vector);

@@ -182,11 +182,45 @@ static inline unsigned int rlhfz_grid_for(size_t items, unsigned int cap)
     return blocks < cap ? (unsigned int)blocks : cap;
 }
 
-/* Blocks for an elementwise kernel over n elements: vector steps, plus the
- * tail's few elements, which the first threads of the grid take. */
-static inline unsigned int rlhfz_elementwise_grid(size_t n, bool vector)
+/* Blocks for an elementwise kernel over n elements (vector steps, plus the
+ * tail's few elements, which the first threads of the grid take), in whole
+ * waves: a wave is the blocks of this kernel the device runs at once, its
+ * multiprocessors times the blocks that fit on one. Less than a wave of
+ * work gets one block per unit of it; more gets as many whole waves as the
+ * work fills, at most RLHFZ_MAX_BLOCKS' worth, and the grid-stride loop
+ * spreads the rest evenly: no last wave left mostly idle. Both figures are
+ * asked of the runtime once per kernel and device. */
+#define RLHFZ_MAX_DEVICES 64
+
+template <typename Kernel>
+static inline unsigned int rlhfz_elementwise_grid(Kernel kernel, size_t n, bool vector)
 {
-    return rlhfz_grid_for(vector ? n / RLHFZ_VEC : n, RLHFZ_MAX_BLOCKS);
+    static int multiprocessors[RLHFZ_MAX_DEVICES];
+    static int per_multiprocessor[RLHFZ_MAX_DEVICES];
+    const size_t items = vector ? n / RLHFZ_VEC : n;
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= RLHFZ_MAX_DEVICES) {
+        (void)cudaGetLastError();
+        return rlhfz_grid_for(items, RLHFZ_MAX_BLOCKS);
+    }
+    if (multiprocessors[device] <= 0 || per_multiprocessor[device] <= 0) {
+        int sms = 0, blocks = 0;
+        if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, RLHFZ_BLOCK, 0) !=
+                cudaSuccess || sms <= 0 || blocks <= 0) {
+            (void)cudaGetLastError();
+            return rlhfz_grid_for(items, RLHFZ_MAX_BLOCKS);
+        }
+        multiprocessors[device] = sms;        /* racing writers store the same values */
+        per_multiprocessor[device] = blocks;
+    }
+    const size_t wave = (size_t)multiprocessors[device] * (size_t)per_multiprocessor[device];
+    const size_t needed = rlhfz_grid_for(items, 0xFFFFFFFFu);
+    if (needed <= wave)
+        return (unsigned int)needed;
+    size_t waves = needed / wave;
+    const size_t most = RLHFZ_MAX_BLOCKS / wave > 0 ? RLHFZ_MAX_BLOCKS / wave : 1;
+    return (unsigned int)((waves < most ? waves : most) * wave);
 }
 
 /* Calls launch(tag) with decltype(tag)::value the compile-time twin of

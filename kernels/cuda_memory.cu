@@ -127,44 +127,6 @@ extern "C" rlhfz_status rlhfz_cuda_host_free(void *ptr)
     return RLHFZ_OK;
 }
 
-extern "C" rlhfz_status rlhfz_cuda_pointer_kind(const void *ptr, int *kind, int *device)
-{
-    if (!kind)
-        return RLHFZ_ERR_INVALID;
-    *kind = 0;
-    if (device)
-        *device = -1;
-    if (!ptr)
-        return RLHFZ_OK;
-
-    cudaPointerAttributes attributes;
-    cudaError_t err = cudaPointerGetAttributes(&attributes, ptr);
-    if (err == cudaErrorInvalidValue) {
-        /* runtimes before 11.0 fail this way for memory they never saw:
-         * plain host memory; clear the error they leave behind */
-        (void)cudaGetLastError();
-        return RLHFZ_OK;
-    }
-    if (err != cudaSuccess)
-        return rlhfz_cuda_fail(err);
-
-    switch (attributes.type) {
-    case cudaMemoryTypeHost:
-        *kind = 1;
-        break;
-    case cudaMemoryTypeDevice:
-    case cudaMemoryTypeManaged:
-        *kind = 2;
-        if (device)
-            *device = attributes.device;
-        break;
-    default: /* cudaMemoryTypeUnregistered */
-        *kind = 0;
-        break;
-    }
-    return RLHFZ_OK;
-}
-
 extern "C" rlhfz_status rlhfz_cuda_memcpy(void *dst, const void *src, size_t nbytes, void *stream,
                                           int blocking)
 {

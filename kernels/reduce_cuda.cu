@@ -231,10 +231,10 @@ extern "C" rlhfz_status rlhfz_unscale_cuda(void *g, rlhfz_dtype dtype, size_t n,
         return RLHFZ_ERR_INVALID;
 
     const bool vector = rlhfz_aligned16(g);
-    const unsigned int grid = rlhfz_elementwise_grid(n, vector);
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     rlhfz_with_dtype(dtype, [&](auto d) {
-        RLHFZ_LAUNCH(grid, RLHFZ_BLOCK, 0, s, rlhfz_unscale_kernel<decltype(d)::value>)(
+        const auto kernel = rlhfz_unscale_kernel<decltype(d)::value>;
+        RLHFZ_LAUNCH(rlhfz_elementwise_grid(kernel, n, vector), RLHFZ_BLOCK, 0, s, kernel)(
             g, n, inv_scale, found_inf, vector);
     });
     RLHFZ_CUDA_CHECK_LAUNCH();
@@ -252,10 +252,10 @@ extern "C" rlhfz_status rlhfz_scale_cuda(void *x, rlhfz_dtype dtype, size_t n, f
         return RLHFZ_ERR_INVALID;
 
     const bool vector = rlhfz_aligned16(x);
-    const unsigned int grid = rlhfz_elementwise_grid(n, vector);
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     rlhfz_with_dtype(dtype, [&](auto d) {
-        RLHFZ_LAUNCH(grid, RLHFZ_BLOCK, 0, s, rlhfz_scale_kernel<decltype(d)::value>)(
+        const auto kernel = rlhfz_scale_kernel<decltype(d)::value>;
+        RLHFZ_LAUNCH(rlhfz_elementwise_grid(kernel, n, vector), RLHFZ_BLOCK, 0, s, kernel)(
             x, n, scale, scale_device, vector);
     });
     RLHFZ_CUDA_CHECK_LAUNCH();
@@ -283,11 +283,10 @@ extern "C" rlhfz_status rlhfz_cast_cuda(const void *src, rlhfz_dtype src_dtype, 
     }
 
     const bool vector = rlhfz_aligned16(src) && rlhfz_aligned16(dst);
-    const unsigned int grid = rlhfz_elementwise_grid(n, vector);
     rlhfz_with_dtype(src_dtype, [&](auto from) {
         rlhfz_with_dtype(dst_dtype, [&](auto to) {
-            RLHFZ_LAUNCH(grid, RLHFZ_BLOCK, 0, s,
-                         rlhfz_cast_kernel<decltype(from)::value, decltype(to)::value>)(
+            const auto kernel = rlhfz_cast_kernel<decltype(from)::value, decltype(to)::value>;
+            RLHFZ_LAUNCH(rlhfz_elementwise_grid(kernel, n, vector), RLHFZ_BLOCK, 0, s, kernel)(
                 src, dst, n, vector);
         });
     });

@@ -39,10 +39,6 @@ rlhfz_status rlhfz_cuda_free(void *ptr, int device);
 rlhfz_status rlhfz_cuda_host_alloc(void **ptr, size_t nbytes);
 rlhfz_status rlhfz_cuda_host_free(void *ptr);
 
-/* Where ptr lives: *kind is 0 for unregistered host memory, 1 for pinned
- * host memory, 2 for device memory (then *device is its ordinal, else -1). */
-rlhfz_status rlhfz_cuda_pointer_kind(const void *ptr, int *kind, int *device);
-
 /* Copies nbytes between any two of host, pinned and device memory
  * (cudaMemcpyDefault), queued on stream; blocking != 0 waits for it. */
 rlhfz_status rlhfz_cuda_memcpy(void *dst, const void *src, size_t nbytes, void *stream,

@@ -95,6 +95,7 @@ class Bucket:
         self.host_exp_avg_sq_buffer = host_alloc(host * 4) if host else None
         self.host_grad_buffer = host_alloc(host * reduce_itemsize) if host else None
         self.host_param_buffer = host_alloc(host * itemsize) if host else None
+        self.host_param_fence = None       # see fence_host_param
         # Each param's part of this rank's shard, in shard coordinates (empty
         # ranges for params wholly on other ranks).
         self.local = [self._local_range(slot) for slot in self.layout.slots]
@@ -344,11 +345,23 @@ class Bucket:
             return device_part
         return torch.cat([device_part, host_part.to(device_part.device)])
 
+    def fence_host_param(self, event) -> None:
+        """The event after the asynchronous copies that read the host part's
+        staged params: the host may write them again only once it is done,
+        whichever stream the next step runs on."""
+        self.host_param_fence = event
+
+    def wait_host_param(self) -> None:
+        if self.host_param_fence is not None:
+            self.host_param_fence.synchronize()
+            self.host_param_fence = None
+
     def pull_host_part(self, master: bool = True) -> None:
         """The host part's staged params (and, with master, its fp32 master)
         from the param shard: at attach, and after a state dict is loaded."""
         if self.host_flat_master is None:
             return
+        self.wait_host_param()
         with torch.no_grad():
             current = self.flat_param_shard[self.split:]
             if master:

@@ -85,8 +85,10 @@ class _Pinned:
     every iteration would pay that each time. So reload() keeps the pinned
     buffers it emptied, and the next offload of the same sizes takes them
     again, once the event recorded after the copies that last read them is
-    done. The pool counts against the pin budget like any pinned buffer;
-    rlhfz.release_pinned() empties it, and the budget pushes it out first."""
+    done. The pool counts against the pin budget like any pinned buffer (an
+    offload it leaves no room for goes to pageable memory: unpinning would
+    wait for the device, which a non-blocking offload must not);
+    rlhfz.release_pinned() and the optimizer's close() empty it."""
 
     buffers: "weakref.WeakSet" = weakref.WeakSet()
     pool: dict[int, list[tuple]] = {}          # nbytes -> [(buffer, event or None)]
@@ -141,8 +143,6 @@ def host_buffer(nbytes: int, pin_memory, zero: bool = False):
         if zero:
             pooled.zero_()
         return pooled
-    if _Pinned.in_use() + nbytes > pin_budget() and _Pinned.pooled():
-        _Pinned.release()          # the pool gives way to a pin the budget would refuse
     if pin_memory == "auto" and _Pinned.in_use() + nbytes > pin_budget():
         _Pinned.notice(f"rlhfz: pinned host memory is at its budget ({pin_budget()} bytes; "
                        f"RLHFZ_PIN_BUDGET_BYTES sets it): offloading to pageable memory")

@@ -590,15 +590,21 @@ class ZeroAdamW(Optimizer):
             hp = hparams[bucket.group_index]
             steps = bucket.steps.tolist()
             k = bucket.split
+            copied = False
             for start, stop, lo, hi in segments:
                 step = int(steps[start]) + 1
                 if lo < min(hi, k):
                     self.backend.adamw_step(bucket.kernel_views(lo, min(hi, k)), step, hp)
                 if max(lo, k) < hi:
+                    bucket.wait_host_param()     # its last copy to the device has read it
                     self._host.adamw_step(bucket.host_kernel_views(max(lo, k), hi), step, hp)
                     a, b = max(lo, k) - k, hi - k
                     bucket.flat_param_shard[a + k:b + k].copy_(bucket.host_flat_param[a:b],
                                                                 non_blocking=True)
+                    copied = True
+            if copied and self.backend.tier == "device":
+                # the copies read the staging buffer after this returns
+                bucket.fence_host_param(self.backend.record(self.backend.stream()))
             if bucket.stitched:
                 bucket.refresh_stitched()
             # Step counts advance for every param with a grad, also those
@@ -885,11 +891,14 @@ class ZeroAdamW(Optimizer):
 
     def close(self) -> None:
         """Releases what the optimizer holds outside Python's reach: the
-        process groups it made for its collectives (sockets, gloo threads)
-        and the native NCCL communicator (collectives="nccl"). Every rank
-        calls it; the optimizer cannot step afterwards. A no-op in one process."""
+        process groups it made for its collectives (sockets, gloo threads),
+        the native NCCL communicator (collectives="nccl"), and the pinned
+        buffers reload() kept for the next offload. Every rank calls it; the
+        optimizer cannot step afterwards."""
         if self.comm is not None:
             self.comm.destroy()
+        from .migrate import release_pinned
+        release_pinned()
 
     def __repr__(self) -> str:
         params = sum(len(b.params) for b in self._buckets)

@@ -131,7 +131,11 @@ def held(stream, limit_s: float = 60.0):
     """Simulator only: work queued on `stream` (an rlhfz CudaStream) inside
     the block waits until the block ends, so a test sees it in flight. A
     call that waits for that work would wait for good: a timer releases the
-    stream after limit_s, and the block then fails rather than hangs."""
+    stream after limit_s, and the block then fails rather than hangs.
+    Memory freed while the stream is held waits for it (cudaFree
+    synchronizes the device), so the borrows kernels of earlier tests still
+    hold are let go first."""
+    _C.cuda_synchronize(stream.device)
     token = _C.cuda_sim_hold(stream)
     lock = threading.Lock()
     released = []

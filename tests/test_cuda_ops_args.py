@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import rlhfz
-from device_support import needs_device, needs_simulator, synchronize, zeros
+from device_support import needs_device, needs_real_gpu, needs_simulator, synchronize, zeros
 from dlpack_handmade import Handmade
 from rlhfz import _C
 
@@ -76,7 +76,7 @@ def test_a_host_address_never_reaches_a_kernel(memory):
     CUDA memory but over memory the host can touch (its own, or the host
     alias of device memory) pass every check and stop at the launch, where
     a GPU would fault; nothing is written."""
-    backings = []
+    backings, kept = [], []
 
     def fake(n=8, bits=32):
         dtype = np.float32 if bits == 32 else np.float16
@@ -86,7 +86,9 @@ def test_a_host_address_never_reaches_a_kernel(memory):
             backing = zeros(n, torch.float32 if bits == 32 else torch.float16).numpy()
             backing[:] = 1.5
         backings.append(backing)
-        return cuda_array(n, bits=bits, data=backing)
+        made = cuda_array(n, bits=bits, data=backing)
+        kept.append(made)          # a capsule's struct lives as long as its Handmade
+        return made
 
     out = _C.Buffer(8, "device")
     workspace = _C.Buffer(_C.cuda_sumsq_workspace_bytes(), "device")
@@ -287,3 +289,27 @@ def test_stream_and_event_devices_are_checked(device):
         _C.CudaStream(device)
     with pytest.raises((ValueError, TypeError)):
         _C.CudaEvent(device=device)
+
+
+@pytest.mark.gpu
+@needs_real_gpu
+def test_a_torch_tensor_outlives_the_kernel_that_reads_it():
+    """A kernel queued on rlhfz's stream reads its arrays after the call
+    returns. The torch tensor it borrowed is kept until the kernel is done:
+    let go at once, torch's cache could hand its block to a new tensor on
+    another stream while the kernel (held up here by a sleep) still works on
+    it. (test_sim_runtime has the simulator's twin.)"""
+    if not hasattr(torch.cuda, "_sleep"):
+        pytest.skip("torch.cuda._sleep is not available in this torch")
+    side = _C.CudaStream()
+    n = 1 << 20
+    x = torch.ones(n, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(torch.cuda.ExternalStream(side.handle)):
+        torch.cuda._sleep(200_000_000)
+    _C.cuda_scale_(x, 2.0, stream=side)
+    del x
+    y = torch.full((n,), 5.0, device="cuda")     # may reuse x's block at once
+    side.synchronize()
+    torch.cuda.synchronize()
+    assert bool((y == 5.0).all())

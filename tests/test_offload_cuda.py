@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import rlhfz
-from device_support import (DEVICE, SIMULATED, mem_get_info, needs_device, needs_simulator,
-                            on_device, params_on_device, synchronize)
+from device_support import (DEVICE, SIMULATED, mem_get_info, needs_device, needs_real_gpu,
+                            needs_simulator, on_device, params_on_device, synchronize)
 from rlhfz import _C
 from state_snapshots import assert_same, snapshot
 
@@ -232,3 +232,69 @@ def test_a_non_blocking_offload_returns_with_its_copies_in_flight():
     opt.reload(non_blocking=True)
     assert_same(before, snapshot(model, opt))          # the reads wait for the copies
     train_step(model, opt, 1)
+
+
+@needs_real_gpu
+def test_offload_and_reload_give_back_what_torchs_cache_holds():
+    """Device memory torch's caching allocator keeps (freed activations,
+    gathers) is free to the driver only after empty_cache: offload hands it
+    back too, and a reload that finds the device full of it empties the
+    cache and tries once more instead of failing. (The simulator has no
+    caching allocator, so this runs on a GPU only.)"""
+    model, opt = make(width=2048)
+    train_step(model, opt, 0)
+    owned = sum(per_tier["device"] for per_tier in opt.memory_report().values())
+    cached = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    del cached
+    reserved = torch.cuda.memory_reserved()
+    opt.offload()
+    assert torch.cuda.memory_reserved() < reserved
+    free, _ = mem_get_info()
+    hog = torch.empty(free - owned // 2, dtype=torch.uint8, device="cuda")
+    del hog            # back in torch's cache, not the driver's: less than `owned` is free
+    assert mem_get_info()[0] < owned
+    opt.reload()
+    assert set(opt.placement().values()) == {"device"}
+    train_step(model, opt, 1)
+
+
+@needs_real_gpu
+def test_the_host_parts_staging_is_fenced_by_an_event_not_its_stream():
+    """offload="cpu": the host part's new params go to the device by an
+    asynchronous copy from a pinned staging buffer. A step on another stream
+    must not rewrite that buffer before the copy has read it: the copy's
+    stream (held up here by a sleep queued just before it) says nothing to a
+    step that syncs only its own."""
+    if not hasattr(torch.cuda, "_sleep"):
+        pytest.skip("torch.cuda._sleep is not available in this torch")
+    n = 1 << 16
+
+    def make_one():
+        p = torch.nn.Parameter(torch.zeros(n, device="cuda"))
+        return p, rlhfz.ZeroAdamW([p], lr=0.1, weight_decay=0.0, offload="cpu",
+                                  offload_ratio=1.0)
+
+    p, opt = make_one()
+    ref, ref_opt = make_one()
+    ref.grad = torch.ones(n, device="cuda")
+    ref_opt.step()
+    expected_first = ref.detach().clone()
+
+    real_step = opt._host.adamw_step
+
+    def sleep_first(*args, **kwargs):
+        torch.cuda._sleep(200_000_000)      # on the step's stream: the copy after waits
+        real_step(*args, **kwargs)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        p.grad = torch.ones(n, device="cuda")
+        opt._host.adamw_step = sleep_first
+        opt.step()
+        opt._host.adamw_step = real_step
+        first = p.detach().clone()          # queued behind the copy
+    p.grad = -torch.ones(n, device="cuda")  # on the default stream, at once
+    opt.step()
+    torch.cuda.synchronize()
+    assert torch.equal(first, expected_first)

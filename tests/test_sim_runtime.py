@@ -8,6 +8,7 @@ Runs only in the simulated build (make test-sim); the C++ half of the checks
 is sim/tests/runtime_selftest.cpp, compiled and run here.
 """
 import ctypes
+import gc
 import os
 import shutil
 import signal
@@ -273,3 +274,26 @@ def test_runtime_selftest(tmp_path):
                          env=dict(os.environ, RLHFZ_SIM_DEVICES="2"))
     assert run.returncode == 0, run.stdout + run.stderr
     assert "0 failed" in run.stdout
+
+
+def test_a_borrowed_tensor_outlives_the_kernel_that_reads_it():
+    """A kernel queued on a stream reads its arrays after the call returns:
+    a tensor borrowed through DLPack is kept until the kernel is done, else
+    its memory could be handed out again while the kernel still reads it."""
+    stream = _C.CudaStream()
+    buffer, tensor = device_tensor(1024)
+    tensor.fill_(1.0)
+    view = torch.from_dlpack(buffer.view("float32"))
+    assert buffer.exports == 2
+    # earlier tests' borrows go now: freeing their memory waits for every
+    # stream, which must not be held then
+    _C.cuda_synchronize(0)
+    token = _C.cuda_sim_hold(stream)
+    _C.cuda_scale_(tensor, 2.0, stream=stream)          # queued behind the hold
+    del tensor
+    gc.collect()
+    assert buffer.exports == 2                           # still borrowed by the kernel
+    _C.cuda_sim_release(token)
+    _C.cuda_synchronize(0)
+    assert buffer.exports == 1                           # the kernel is done: let go
+    assert bool((view == 2.0).all())

@@ -138,6 +138,10 @@ cudaError_t cudaSetDevice(int device);
 cudaError_t cudaDeviceSynchronize(void);
 cudaError_t cudaDeviceGetAttribute(int *value, enum cudaDeviceAttr attr, int device);
 cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total_bytes);
+/* How many blocks of block_size threads of a kernel fit on one multiprocessor
+ * (here: by threads alone, as no registers are counted). */
+cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int *blocks, const void *kernel,
+                                                          int block_size, size_t shared_bytes);
 
 cudaError_t cudaMalloc(void **ptr, size_t size);
 cudaError_t cudaFree(void *ptr);

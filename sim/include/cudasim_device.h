@@ -67,6 +67,16 @@ __device__ __forceinline__ unsigned int __float_as_uint(float x)
 
 /* ---- launches ----------------------------------------------------------------- */
 
+/* The runtime's C++ overload: any kernel, by its function. */
+template <class... P>
+inline cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int *blocks, void (*kernel)(P...),
+                                                                 int block_size,
+                                                                 size_t shared_bytes)
+{
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        blocks, reinterpret_cast<const void *>(kernel), block_size, shared_bytes);
+}
+
 namespace cudasim {
 
 /* One launch: the kernel and its arguments, as the kernel takes them. */

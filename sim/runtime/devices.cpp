@@ -133,6 +133,20 @@ extern "C" cudaError_t cudaDeviceGetAttribute(int *value, enum cudaDeviceAttr at
     return fail(cudaErrorInvalidValue);
 }
 
+extern "C" cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int *blocks,
+                                                                      const void *kernel,
+                                                                      int block_size,
+                                                                      size_t shared_bytes)
+{
+    cudaError_t err = enter("cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+    if (err != cudaSuccess)
+        return err;
+    if (!blocks || !kernel || block_size <= 0 || block_size > 1024 || shared_bytes > 48 * 1024)
+        return fail(cudaErrorInvalidValue);
+    *blocks = config().threads_per_multiprocessor / block_size;
+    return cudaSuccess;
+}
+
 extern "C" cudaError_t cudaRuntimeGetVersion(int *version)
 {
     if (!version)

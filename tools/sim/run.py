@@ -17,6 +17,8 @@ CUDA-facing C (csrc/cuda_*.c, memory_tiers.c, nccl_comm.c), of the device
 code (kernels/*.cu), and of the simulated runtime, with each uncovered
 line listed in build/sim-coverage/uncovered.txt.
 --chaos SEED sets RLHFZ_SIM_CHAOS: random delays on every stream.
+--chaos-seeds "1 2 ..." runs the tests once per seed and lists each run's
+outcome (make test-chaos).
 """
 import argparse
 import glob
@@ -67,7 +69,7 @@ def _install(coverage: bool):
 
 
 def _coverage_setup(site, data_dir):
-    """Python coverage in every process: a .pth hook that starts it where
+    """Python coverage in every process: a hook that starts it where
     COVERAGE_PROCESS_START names a configuration."""
     os.makedirs(data_dir, exist_ok=True)
     for old in glob.glob(os.path.join(data_dir, ".coverage*")):
@@ -76,9 +78,14 @@ def _coverage_setup(site, data_dir):
     with open(rc, "w") as f:
         f.write(f"[run]\nparallel = True\nsource = {os.path.join(site, 'rlhfz')}\n"
                 f"data_file = {os.path.join(data_dir, '.coverage')}\n")
-    with open(os.path.join(site, "rlhfz_sim_coverage.pth"), "w") as f:
-        f.write("import os; 'COVERAGE_PROCESS_START' in os.environ and "
-                "__import__('coverage').process_startup()\n")
+    # sitecustomize, not a .pth: a venv's .pth files run before the system
+    # site-packages (where coverage is installed) are on sys.path
+    stale = os.path.join(site, "rlhfz_sim_coverage.pth")
+    if os.path.exists(stale):
+        os.remove(stale)
+    with open(os.path.join(site, "sitecustomize.py"), "w") as f:
+        f.write("import os\n\nif 'COVERAGE_PROCESS_START' in os.environ:\n"
+                "    import coverage\n    coverage.process_startup()\n")
     return rc
 
 
@@ -148,10 +155,33 @@ def _python_report(python, rc, site, out_dir):
     print(report.stdout + report.stderr)
 
 
+def _chaos_runs(command, run_dir, env, seeds) -> int:
+    """The tests once per chaos seed; a table of the outcomes at the end."""
+    import re
+    import time
+    rows, failed = [], 0
+    for seed in seeds:
+        _say(f"RLHFZ_SIM_CHAOS={seed}: " + " ".join(command))
+        started = time.monotonic()
+        run = subprocess.run(command, cwd=run_dir, env=dict(env, RLHFZ_SIM_CHAOS=seed),
+                             capture_output=True, text=True)
+        summary = next((line for line in reversed(run.stdout.splitlines())
+                        if re.search(r"\d+ (passed|failed)", line)), "no summary")
+        rows.append(f"seed {seed:>6}: {'ok  ' if run.returncode == 0 else 'FAIL'} "
+                    f"{time.monotonic() - started:6.1f} s  {summary.strip('= ')}")
+        if run.returncode != 0:
+            failed += 1
+            print(run.stdout[-6000:] + run.stderr[-3000:], flush=True)
+        print(rows[-1], flush=True)
+    print("\n".join(["chaos runs:"] + rows + [f"{len(seeds) - failed} of {len(seeds)} green"]))
+    return 1 if failed else 0
+
+
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--coverage", action="store_true")
     parser.add_argument("--chaos", metavar="SEED")
+    parser.add_argument("--chaos-seeds", metavar="SEEDS")
     parser.add_argument("--no-install", action="store_true",
                         help="test the simulated build already installed")
     args, pytest_args = parser.parse_known_args(argv)
@@ -185,7 +215,9 @@ def main(argv):
              for t in (pytest_args or DEFAULT_TESTS)]
     # a hang (a missing event, a deadlock) fails its test instead of the whole run
     command = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", ROOT,
-               "--timeout=600", *tests]
+               "--timeout=600", "--timeout-method=thread", *tests]
+    if args.chaos_seeds:
+        return _chaos_runs(command, run_dir, env, args.chaos_seeds.split())
     _say(" ".join(command))
     status = subprocess.call(command, cwd=run_dir, env=env)
     if args.coverage:
