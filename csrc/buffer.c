@@ -511,11 +511,23 @@ typedef struct {
     int64_t strides[RLHFZ_MAX_NDIM];
 } legacy_export;
 
+static int interpreter_finalizing(void)
+{
+#if PY_VERSION_HEX >= 0x030D0000
+    return Py_IsFinalizing();
+#else
+    return _Py_IsFinalizing();
+#endif
+}
+
 /* Consumers may free a tensor from any thread, with or without the GIL, and
- * even after the interpreter is gone; then the reference is left alone. */
+ * even after the interpreter is gone; then the reference is left alone. So it
+ * is while the interpreter shuts down, for a thread without the GIL (a gloo
+ * worker finishing a collective): asking for the GIL then ends the thread by
+ * pthread_exit, which aborts a C++ thread, and with it the process. */
 static void release_export(rlhfz_Buffer *buffer)
 {
-    if (!Py_IsInitialized())
+    if (!Py_IsInitialized() || (interpreter_finalizing() && !PyGILState_Check()))
         return;
     PyGILState_STATE gil = PyGILState_Ensure();
     buffer->exports--;

@@ -91,9 +91,7 @@ static PyObject *launch_on(PyObject *module, const char *what, int device, cuda_
     int kept = 0;                /* the borrows wait behind `event` */
     Py_BEGIN_ALLOW_THREADS
     int previous = device;
-    status = rlhfz_cuda_get_device(&previous);
-    if (status == RLHFZ_OK && previous != device)
-        status = rlhfz_cuda_set_device(device);
+    status = rlhfz_device_enter(device, &previous);
     if (status == RLHFZ_OK) {
         status = launch(args, stream);
         if (status == RLHFZ_OK && keep) {
@@ -104,8 +102,8 @@ static PyObject *launch_on(PyObject *module, const char *what, int device, cuda_
             if (!kept)           /* no event to wait behind: wait for the kernel here */
                 (void)rlhfz_cuda_stream_synchronize(stream);
         }
-        if (previous != device)
-            rlhfz_cuda_set_device(previous);
+        /* a device left current that the caller did not choose is an error too */
+        status = rlhfz_device_leave(device, previous, status);
     }
     Py_END_ALLOW_THREADS
     if (kept && rlhfz_inflight_keep(inflight, b, event, device) < 0) {
@@ -383,6 +381,25 @@ static rlhfz_Buffer *buffer_arg(PyObject *module, PyObject *obj)
     return (rlhfz_Buffer *)obj;
 }
 
+#ifdef RLHFZ_WITH_CUDA
+/* A blocking copy to or from a Buffer, on the Buffer's device when it is
+ * device memory (else the current one), after the stream's queued work.
+ * Called with the GIL released. */
+static rlhfz_status transfer_on(const rlhfz_Buffer *buffer, void *dst, const void *src,
+                                size_t nbytes, void *stream)
+{
+    int device = buffer->device, previous = -1;
+    rlhfz_status status = buffer->tier == RLHFZ_TIER_DEVICE ? RLHFZ_OK
+                                                            : rlhfz_cuda_get_device(&device);
+    if (status == RLHFZ_OK)
+        status = rlhfz_device_enter(device, &previous);
+    if (status != RLHFZ_OK)
+        return status;
+    status = rlhfz_cuda_memcpy(dst, src, nbytes, stream, 1);
+    return rlhfz_device_leave(device, previous, status);
+}
+#endif
+
 /* offset and nbytes within a Buffer of `size` bytes. */
 static int check_range(Py_ssize_t offset, Py_ssize_t nbytes, size_t size)
 {
@@ -423,7 +440,7 @@ static PyObject *cuda_fetch(PyObject *module, PyObject *const *args, Py_ssize_t 
     const char *src = (const char *)buffer->data + offset;
     /* Queued after the stream's work and waited for: the value is final. */
     Py_BEGIN_ALLOW_THREADS
-    status = rlhfz_cuda_memcpy(dst, src, (size_t)nbytes, stream, 1);
+    status = transfer_on(buffer, dst, src, (size_t)nbytes, stream);
     Py_END_ALLOW_THREADS
     if (rlhfz_raise_status(status, "cuda_fetch") < 0)
         Py_CLEAR(result);
@@ -460,7 +477,7 @@ static PyObject *cuda_store(PyObject *module, PyObject *const *args, Py_ssize_t 
     char *dst = (char *)buffer->data + offset;
     /* Blocking: the bytes object may be gone once this returns. */
     Py_BEGIN_ALLOW_THREADS
-    status = rlhfz_cuda_memcpy(dst, src, (size_t)nbytes, stream, 1);
+    status = transfer_on(buffer, dst, src, (size_t)nbytes, stream);
     Py_END_ALLOW_THREADS
     if (rlhfz_raise_status(status, "cuda_store") < 0)
         return NULL;

@@ -51,11 +51,18 @@ static rlhfz_status create_on(int *device, int is_stream, void **handle)
         return status;
     if (*device < 0)
         *device = previous;
-    if (*device != previous && (status = rlhfz_cuda_set_device(*device)) != RLHFZ_OK)
+    if ((status = rlhfz_device_enter(*device, &previous)) != RLHFZ_OK)
         return status;
     status = is_stream ? rlhfz_cuda_stream_create(handle, *device) : rlhfz_cuda_event_create(handle);
-    if (*device != previous)
-        rlhfz_cuda_set_device(previous);
+    status = rlhfz_device_leave(*device, previous, status);
+    if (status != RLHFZ_OK && *handle != NULL) {
+        /* made, but the caller's device could not be put back: the call fails */
+        if (is_stream)
+            rlhfz_cuda_stream_destroy(*handle);
+        else
+            rlhfz_cuda_event_destroy(*handle);
+        *handle = NULL;
+    }
     return status;
 }
 #endif

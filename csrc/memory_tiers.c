@@ -138,9 +138,7 @@ static void advise_huge_pages(void *data, size_t nbytes)
 }
 
 #ifdef RLHFZ_WITH_CUDA
-/* Makes `device` current for a call that needs it (the runtime refuses, and
- * a GPU faults on, work on another device's memory), noting the previous. */
-static rlhfz_status enter_device(int device, int *previous)
+rlhfz_status rlhfz_device_enter(int device, int *previous)
 {
     rlhfz_status status = rlhfz_cuda_get_device(previous);
     if (status == RLHFZ_OK && *previous != device)
@@ -148,8 +146,7 @@ static rlhfz_status enter_device(int device, int *previous)
     return status;
 }
 
-/* Puts the caller's device back; the first failure is what is reported. */
-static rlhfz_status leave_device(int device, int previous, rlhfz_status status)
+rlhfz_status rlhfz_device_leave(int device, int previous, rlhfz_status status)
 {
     if (previous != device) {
         rlhfz_status restored = rlhfz_cuda_set_device(previous);
@@ -164,13 +161,13 @@ static rlhfz_status leave_device(int device, int previous, rlhfz_status status)
 static rlhfz_status zero_device_memory(void *data, size_t nbytes, int device)
 {
     int previous = device;
-    rlhfz_status status = enter_device(device, &previous);
+    rlhfz_status status = rlhfz_device_enter(device, &previous);
     if (status != RLHFZ_OK)
         return status;
     status = rlhfz_cuda_memset(data, 0, nbytes, NULL);
     if (status == RLHFZ_OK)
         status = rlhfz_cuda_stream_synchronize(NULL);
-    return leave_device(device, previous, status);
+    return rlhfz_device_leave(device, previous, status);
 }
 #endif
 
@@ -331,10 +328,10 @@ int rlhfz_tier_copy_on(void *dst, const void *src, size_t nbytes, int device, vo
     rlhfz_status status;
     Py_BEGIN_ALLOW_THREADS
     int previous = device;
-    status = enter_device(device, &previous);
+    status = rlhfz_device_enter(device, &previous);
     if (status == RLHFZ_OK) {
         status = rlhfz_cuda_memcpy(dst, src, nbytes, stream, blocking);
-        status = leave_device(device, previous, status);
+        status = rlhfz_device_leave(device, previous, status);
     }
     Py_END_ALLOW_THREADS
     if (status != RLHFZ_OK)

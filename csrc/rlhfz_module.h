@@ -116,6 +116,15 @@ int rlhfz_tier_copy(void *dst, const void *src, size_t nbytes, int device);
 int rlhfz_tier_copy_on(void *dst, const void *src, size_t nbytes, int device, void *stream,
                        int blocking);
 
+#ifdef RLHFZ_WITH_CUDA
+/* Makes `device` current for work that needs it (the runtime refuses, and a
+ * GPU faults on, work on another device's memory), noting the previous one;
+ * leave puts it back and returns the first failure of the two. Neither
+ * touches Python: call them with the GIL released. */
+rlhfz_status rlhfz_device_enter(int device, int *previous);
+rlhfz_status rlhfz_device_leave(int device, int previous, rlhfz_status status);
+#endif
+
 /* Where a kernel entry point needs its arrays. */
 typedef enum {
     RLHFZ_PLACE_HOST = 0,        /* cpu or cuda_host memory, for the CPU kernels */

@@ -17,6 +17,8 @@
  *     RLHFZ_NCCL_SIM_INIT_TIMEOUT=s    seconds ncclCommInitRank waits for the
  *                                      other ranks (default 300), then fails
  *     RLHFZ_SIM_CHAOS=seed             random delays inside collectives too
+ * - RLHFZ_NCCL_SIM_VERSION=n, read at each ncclGetVersion: the version code
+ *   it reports instead of NCCL_VERSION_CODE (tests pose as an older NCCL).
  */
 #ifndef RLHFZ_SIM_NCCL_H
 #define RLHFZ_SIM_NCCL_H

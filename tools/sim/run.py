@@ -97,8 +97,9 @@ def _gcov_reset(build_base):
 def _gcov_lines(build_base) -> dict:
     """{source: {line: count}}, every template instance of a line merged."""
     filters = [a for f in C_COVERED + SIM_COVERED for a in ("--filter", f)]
+    # build_base as the one search path: other builds' counts must not mix in
     report = subprocess.run(["gcovr", "--root", ROOT, "--object-directory", build_base, *filters,
-                             "--gcov-ignore-parse-errors=all", "--json", "-"],
+                             "--gcov-ignore-parse-errors=all", "--json", "-", build_base],
                             capture_output=True, text=True)
     if report.returncode != 0:
         raise RuntimeError(f"gcovr failed: {report.stderr[-2000:]}")
