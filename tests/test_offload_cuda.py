@@ -234,6 +234,23 @@ def test_a_non_blocking_offload_returns_with_its_copies_in_flight():
     train_step(model, opt, 1)
 
 
+def test_a_forward_right_after_a_non_blocking_round_trip_reads_the_reloaded_params():
+    """Nothing waits on the host between reload(non_blocking=True) and the
+    next forward: torch's stream waits for the copies instead, so the
+    forward reads what they wrote, however late they run (the simulator's
+    RLHFZ_SIM_CHAOS delays them at random)."""
+    model, opt = make()
+    train_step(model, opt, 0)
+    x = torch.randn(8, 1024, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    with torch.no_grad():
+        expected = model(x).clone()
+    for _ in range(10):
+        opt.offload(non_blocking=True)
+        opt.reload(non_blocking=True)
+        with torch.no_grad():
+            assert torch.equal(model(x), expected)
+
+
 @needs_real_gpu
 def test_offload_and_reload_give_back_what_torchs_cache_holds():
     """Device memory torch's caching allocator keeps (freed activations,

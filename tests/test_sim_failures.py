@@ -242,6 +242,12 @@ def test_transfers_that_fail_leave_both_sides_as_they_were():
     with failing("cudaMemcpyAsync:1:cudaErrorIllegalAddress"):
         with pytest.raises(RuntimeError, match="cuda_store: .*illegal memory access"):
             _C.cuda_store(x, 0, np.float32([9.0, 9.0]).tobytes())
+    # the first runtime call of a transfer asks which device is current
+    for spec, call in (("cudaGetDevice:1", lambda: _C.cuda_fetch(x, 0, 8)),
+                       ("cudaGetDevice:1", lambda: _C.cuda_store(x, 0, b"\0" * 8))):
+        with failing(spec):
+            with pytest.raises(RuntimeError, match="unspecified launch failure"):
+                call()
     assert list(floats(x)) == [1.0, 2.0]
 
 
