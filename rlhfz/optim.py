@@ -8,7 +8,9 @@ into torch.optim.AdamW and back.
 """
 from __future__ import annotations
 
+import copy
 import math
+import numbers
 import weakref
 from typing import Any
 
@@ -114,21 +116,34 @@ class NonFiniteGradError(FloatingPointError):
     """A gradient held NaN or Inf under nonfinite='raise'; no state was changed."""
 
 
+def _number(name: str, value) -> float:
+    """A hyperparameter as a float. Like torch, which compares it with 0.0,
+    only numbers and one-element tensors pass: a string is a TypeError,
+    never parsed."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    raise TypeError(f"{name} must be a number or a one-element tensor, not "
+                    f"{type(value).__name__} ({value!r})")
+
+
 def _check_hparams(lr, betas, eps, weight_decay) -> None:
-    lr = float(lr)
+    lr = _number("lr", lr)
     if not (math.isfinite(lr) and lr >= 0.0):
         raise ValueError(f"Invalid learning rate: {lr}")
-    if not (math.isfinite(float(eps)) and eps >= 0.0):
+    eps = _number("eps", eps)
+    if not (math.isfinite(eps) and eps >= 0.0):
         raise ValueError(f"Invalid epsilon value: {eps}")
-    try:
-        beta1, beta2 = (float(b) for b in betas)
-    except (TypeError, ValueError):
-        raise ValueError(f"betas must be a pair of floats, not {betas!r}") from None
+    if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
+        raise ValueError(f"betas must be a pair of floats, not {betas!r}")
+    beta1, beta2 = (_number(f"betas[{i}]", b) for i, b in enumerate(betas))
     if not 0.0 <= beta1 < 1.0:
         raise ValueError(f"Invalid beta parameter at index 0: {beta1}")
     if not 0.0 <= beta2 < 1.0:
         raise ValueError(f"Invalid beta parameter at index 1: {beta2}")
-    if not (math.isfinite(float(weight_decay)) and weight_decay >= 0.0):
+    weight_decay = _number("weight_decay", weight_decay)
+    if not (math.isfinite(weight_decay) and weight_decay >= 0.0):
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
 
 
@@ -173,6 +188,13 @@ class ZeroAdamW(Optimizer):
                  differentiable=False, fused=None, stage=2, process_group=None, offload=None,
                  offload_ratio=1.0, pin_memory="auto", nonfinite="raise", wrap=None,
                  param_persistence_threshold=100_000, reduce_dtype=None, collectives="torch"):
+        # what a copy is built from (see __getstate__)
+        self._options = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                             maximize=maximize, foreach=foreach, fused=fused, stage=stage,
+                             offload=offload, offload_ratio=offload_ratio, pin_memory=pin_memory,
+                             nonfinite=nonfinite, wrap=wrap,
+                             param_persistence_threshold=param_persistence_threshold,
+                             reduce_dtype=reduce_dtype, collectives=collectives)
         _check_hparams(lr, betas, eps, weight_decay)
         _check_unsupported(dict(amsgrad=amsgrad, capturable=capturable,
                                 differentiable=differentiable, foreach=foreach, fused=fused))
@@ -195,6 +217,10 @@ class ZeroAdamW(Optimizer):
             raise ValueError(f"collectives must be 'torch' or 'nccl', not {collectives!r}")
         self.reduce_dtype = reduce_dtype
 
+        if isinstance(params, torch.Tensor):
+            # as torch.optim.Optimizer: iterating it would give its rows
+            raise TypeError("params argument given to the optimizer should be an iterable of "
+                            "Tensors or dicts, but got " + torch.typename(params))
         module = params if isinstance(params, torch.nn.Module) else None
         if module is not None:
             if stage >= 1 and isinstance(module, torch.nn.parallel.DistributedDataParallel):
@@ -254,6 +280,36 @@ class ZeroAdamW(Optimizer):
                         differentiable=False, fused=fused, decoupled_weight_decay=True)
         super().__init__(params, defaults)
         _LIVE.add(self)
+
+    # ---- copies ----------------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        """For deepcopy and pickle. In one process: the options, the param
+        groups and the state dict, from which the copy builds buckets of its
+        own (torch's default would copy the groups and state but not the
+        buckets behind them). Across processes each rank holds only its
+        part of the state, and stage 3 is built from the module, so copying
+        those is refused now rather than failing later."""
+        if self.comm is not None or self.stage == 3:
+            where = "across processes" if self.comm is not None else "at stage 3"
+            raise TypeError(
+                f"a ZeroAdamW {where} cannot be copied or pickled: each rank holds its "
+                f"shard of the state. Save opt.state_dict() (or rlhfz.save_checkpoint) and "
+                f"load it into a new optimizer instead.")
+        groups = [{k: v for k, v in g.items() if k != "param_names"} for g in self.param_groups]
+        return {"options": self._options, "param_groups": groups,
+                "state_dict": self.state_dict()}
+
+    def __setstate__(self, saved: dict[str, Any]) -> None:
+        if "options" not in saved:
+            raise TypeError("this is not the state of a ZeroAdamW (no 'options'): build the "
+                            "optimizer and use load_state_dict")
+        ZeroAdamW.__init__(self, saved["param_groups"], **saved["options"])
+        self.load_state_dict(saved["state_dict"])
+
+    def __copy__(self):
+        raise TypeError("a shallow copy of a ZeroAdamW would share its params' flat buffers "
+                        "with the original: use copy.deepcopy")
 
     def _host_alloc(self, nbytes: int):
         from .migrate import host_buffer
@@ -652,7 +708,14 @@ class ZeroAdamW(Optimizer):
             return super().state_dict()
         self.comm.agree("ZeroAdamW.state_dict",
                         {"buckets": [len(b.params) for b in self._buckets]})
-        packed = super().state_dict()
+        # torch's post-hooks see the finished dict: this rank's shards are
+        # replaced by the whole state below, so they run after that
+        post_hooks = self._optimizer_state_dict_post_hooks
+        self._optimizer_state_dict_post_hooks = type(post_hooks)()
+        try:
+            packed = super().state_dict()
+        finally:
+            self._optimizer_state_dict_post_hooks = post_hooks
         position = {id(p): i for i, p in
                     enumerate(p for group in self.param_groups for p in group["params"])}
         state = {}
@@ -675,6 +738,10 @@ class ZeroAdamW(Optimizer):
                     entry[name] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
                 state[position[id(p)]] = entry
         packed["state"] = state
+        for hook in post_hooks.values():
+            result = hook(self, packed)
+            if result is not None:
+                packed = result
         return packed
 
     def sharded_state_dict(self) -> dict[str, Any]:
@@ -755,8 +822,14 @@ class ZeroAdamW(Optimizer):
         """Load a torch.optim.AdamW-format state dict (from torch or from rlhfz).
 
         Everything is checked before anything is written: on any mismatch this
-        raises and the optimizer is unchanged."""
+        raises and the optimizer is unchanged. torch's load_state_dict pre-
+        and post-hooks run as in torch: a pre-hook may return a new dict."""
         self.synchronize()
+        state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         index_to_param = self._checked_state_dict(state_dict)
         saved_groups = state_dict["param_groups"]
         saved_state = state_dict["state"]
@@ -767,8 +840,8 @@ class ZeroAdamW(Optimizer):
         # full tensor, so a dict saved at any world size loads at this one.
         for saved, group in zip(saved_groups, self.param_groups):
             for k, v in saved.items():
-                if k not in ("params", "param_names"):
-                    group[k] = v
+                if k != "params":      # saved param_names too, as torch keeps them
+                    group[k] = copy.deepcopy(v)
         loaded = {id(index_to_param[k]): entry for k, entry in saved_state.items()}
         for bucket in self._buckets:
             for i, p in enumerate(bucket.params):
@@ -794,6 +867,8 @@ class ZeroAdamW(Optimizer):
             # fp32 params are their own master: the host part's copy follows them
             bucket.pull_host_part(master=bucket.master_views is None)
         self._finite_versions = None
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
 
     @staticmethod
     def _check_state_entry(key, entry, shape: tuple) -> None:

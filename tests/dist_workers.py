@@ -366,3 +366,38 @@ def offload_parity(rank, world_size, steps, stage, ratio, directory):
         out[name] = {"params": [p.detach().clone() for p in model.parameters()],
                      "state_dict": opt.state_dict(), "report": opt.memory_report()}
     return out
+
+
+def state_dict_hooks(rank, world_size, stage):
+    """What torch's state-dict post-hook sees across ranks: the whole state."""
+    model = make_model()
+    opt = rlhfz.ZeroAdamW(model.parameters(), lr=1e-3, stage=stage)
+    train(model, opt, batches(1), rank, world_size)
+    seen = {}
+
+    def post(o, sd):
+        seen.update({k: tuple(v["exp_avg"].shape) for k, v in sd["state"].items()})
+        return {**sd, "marked": rank}
+    opt.register_state_dict_post_hook(post)
+    sd = opt.state_dict()
+    return {"seen": seen, "marked": sd.get("marked"),
+            "shapes": {i: tuple(p.shape) for i, p in enumerate(model.parameters())}}
+
+
+def copy_across_ranks(rank, world_size, stage):
+    """deepcopy and pickle of a sharded optimizer: refused at once, and the
+    optimizer trains on as before."""
+    import copy
+    import pickle
+    model = make_model()
+    opt = rlhfz.ZeroAdamW(model.parameters(), lr=1e-3, stage=stage)
+    train(model, opt, batches(1), rank, world_size)
+    refusals = []
+    for copier in (copy.deepcopy, pickle.dumps):
+        try:
+            copier(opt)
+            refusals.append(None)
+        except TypeError as error:
+            refusals.append(str(error))
+    train(model, opt, batches(1, seed=2), rank, world_size)
+    return refusals

@@ -293,3 +293,19 @@ def test_host_resident_state_trains_bitwise_like_the_plain_optimizer(tmp_path, w
             for name in ("exp_avg", "exp_avg_sq"):
                 assert torch.equal(entry[name], offloaded["state_dict"]["state"][key][name])
     assert not any(os.listdir(tmp_path / name) for name in os.listdir(tmp_path))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_state_dict_post_hooks_see_the_whole_state(stage):
+    """torch's state-dict post-hooks run once, on the dict the caller gets:
+    every param's full state, gathered from the shards."""
+    for rank, result in enumerate(run_ranks(workers.state_dict_hooks, 2, stage)):
+        assert result["seen"] == result["shapes"], rank
+        assert result["marked"] == rank
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_sharded_optimizer_across_ranks_refuses_copies_at_once(stage):
+    for refusals in run_ranks(workers.copy_across_ranks, 2, stage):
+        assert all(r is not None and "across processes cannot be copied" in r for r in refusals)
+

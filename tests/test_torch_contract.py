@@ -1,0 +1,198 @@
+"""ZeroAdamW against torch.optim.AdamW as a user meets it: for each input
+below, torch's own optimizer is run first and its outcome is the contract
+(the same exception type, or acceptance), so a change in torch shows here."""
+import numpy as np
+import pytest
+import torch
+
+import rlhfz
+
+
+def _outcome(make):
+    try:
+        make()
+    except Exception as error:              # noqa: BLE001 (the type is what is compared)
+        return type(error)
+    return None
+
+
+def _param():
+    return torch.nn.Parameter(torch.ones(3, 2))
+
+
+PARAMS = {
+    "a bare tensor": lambda: torch.ones(3, 2),
+    "a bare Parameter": _param,
+    "a list with a non-tensor": lambda: [_param(), 1.0],
+    "a set of one": lambda: {_param()},
+    "a generator": lambda: (p for p in [_param(), _param()]),
+    "a tuple of named params": lambda: (("a", _param()), ("b", _param())),
+}
+
+
+@pytest.mark.parametrize("name", list(PARAMS))
+def test_params_are_taken_or_refused_as_torch_does(name):
+    expected = _outcome(lambda: torch.optim.AdamW(PARAMS[name]()))
+    try:
+        rlhfz.ZeroAdamW(PARAMS[name]())
+        got = None
+    except Exception as error:              # noqa: BLE001
+        got = type(error)
+        assert "non-leaf" not in str(error), error
+    assert got is expected, f"{name}: torch {expected}, rlhfz {got}"
+
+
+HPARAMS = {
+    "lr as a string": {"lr": "0.001"},
+    "eps as a string": {"eps": "1e-8"},
+    "weight_decay as a string": {"weight_decay": "0.01"},
+    "betas as strings": {"betas": ("0.9", "0.999")},
+    "lr as a numpy float": {"lr": np.float64(1e-3)},
+    "lr as an int": {"lr": 1},
+    "lr as a 0-dim tensor": {"lr": torch.tensor(1e-3)},
+    "betas as a list": {"betas": [0.8, 0.9]},
+}
+
+
+@pytest.mark.parametrize("name", list(HPARAMS))
+def test_hyperparameters_are_taken_or_refused_as_torch_does(name):
+    kwargs = HPARAMS[name]
+    expected = _outcome(lambda: torch.optim.AdamW([_param()], **kwargs))
+    got = _outcome(lambda: rlhfz.ZeroAdamW([_param()], **kwargs))
+    assert got is expected, f"{name}: torch {expected}, rlhfz {got}"
+
+
+def test_a_string_learning_rate_set_later_fails_the_step_and_changes_nothing():
+    p = _param()
+    opt = rlhfz.ZeroAdamW([p], lr=0.1)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    before = p.detach().clone()
+    opt.param_groups[0]["lr"] = "0.1"
+    p.grad = torch.ones_like(p)
+    with pytest.raises(TypeError, match="lr must be a number"):
+        opt.step()
+    assert torch.equal(p.detach(), before)
+    opt.param_groups[0]["lr"] = 0.1
+    opt.step()
+    assert not torch.equal(p.detach(), before)
+
+
+def _pair(**options):
+    """The same two params under torch's AdamW and under ZeroAdamW, one step in."""
+    out = []
+    for cls in (torch.optim.AdamW, rlhfz.ZeroAdamW):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))]
+        opt = cls(params, lr=0.01, **options)
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        out.append(opt)
+    return out
+
+
+def test_state_dict_hooks_run_as_in_torch():
+    for opt in _pair():
+        calls = []
+        opt.register_state_dict_pre_hook(lambda o: calls.append("pre"))
+
+        def post(o, sd):
+            calls.append("post")
+            return {**sd, "extra": sorted(sd["state"])}
+        opt.register_state_dict_post_hook(post)
+        sd = opt.state_dict()
+        assert calls == ["pre", "post"], type(opt)
+        assert sd["extra"] == [0, 1], type(opt)
+
+
+def test_load_state_dict_hooks_run_as_in_torch():
+    reference, ours = _pair()
+    saved = reference.state_dict()
+    results = []
+    for opt in (reference, ours):
+        calls = []
+
+        def pre(o, sd):
+            calls.append("pre")
+            changed = {**sd, "param_groups": [dict(g, lr=0.5) for g in sd["param_groups"]]}
+            return changed
+        opt.register_load_state_dict_pre_hook(pre)
+        opt.register_load_state_dict_post_hook(lambda o: calls.append(("post", o.param_groups[0]["lr"])))
+        opt.load_state_dict(saved)
+        results.append(calls)
+    assert results[0] == results[1] == ["pre", ("post", 0.5)]
+    assert saved["param_groups"][0]["lr"] == 0.01          # the caller's dict is left alone
+
+
+def test_param_names_saved_are_kept_on_load_as_in_torch():
+    named = []
+    for cls in (torch.optim.AdamW, rlhfz.ZeroAdamW):
+        model = torch.nn.Linear(3, 2)
+        opt = cls(model.named_parameters(), lr=0.01)
+        named.append(opt.state_dict())
+    assert named[0]["param_groups"][0]["param_names"] == ["weight", "bias"]
+    assert named[1]["param_groups"][0]["param_names"] == ["weight", "bias"]
+    for cls, saved in zip((torch.optim.AdamW, rlhfz.ZeroAdamW), named):
+        model = torch.nn.Linear(3, 2)
+        opt = cls(model.parameters(), lr=0.01)          # built without names
+        opt.load_state_dict(saved)
+        assert opt.param_groups[0].get("param_names") == ["weight", "bias"], cls
+        assert opt.state_dict()["param_groups"][0].get("param_names") == ["weight", "bias"], cls
+
+
+def _model_and(cls, **options):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    opt = cls(model.parameters(), lr=0.01, **options)
+    return model, opt
+
+
+def _steps(model, opt, n, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        opt.zero_grad()
+        model(torch.randn(4, 5, generator=gen)).square().mean().backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_in_one_process_is_a_working_independent_optimizer(how, stage):
+    import copy
+    import pickle
+    copies = []
+    for cls, options in ((torch.optim.AdamW, {}), (rlhfz.ZeroAdamW, {"stage": stage})):
+        model, opt = _model_and(cls, **options)
+        _steps(model, opt, 3)
+        if how == "deepcopy":
+            model2, opt2 = copy.deepcopy((model, opt))
+        else:
+            model2, opt2 = pickle.loads(pickle.dumps((model, opt)))
+        assert type(opt2) is cls
+        before = [p.detach().clone() for p in model.parameters()]
+        _steps(model2, opt2, 3, seed=1)
+        assert all(torch.equal(a, p) for a, p in zip(before, model.parameters())), cls
+        _steps(model, opt, 3, seed=1)              # the original goes on the same way
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+        copies.append([p.detach() for p in model2.parameters()])
+    for ours, theirs in zip(*copies):
+        torch.testing.assert_close(ours, theirs)
+
+
+def test_stage_3_refuses_to_be_copied_at_copy_time():
+    import copy
+    import pickle
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3))
+    opt = rlhfz.ZeroAdamW(model, lr=0.01, stage=3)
+    for copier in (copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match="cannot be copied"):
+            copier(opt)
+    _steps(model, opt, 1)                       # the original is untouched by the refusals
+
+
+def test_a_shallow_copy_is_refused():
+    import copy
+    _, opt = _model_and(rlhfz.ZeroAdamW)
+    with pytest.raises(TypeError, match="shallow copy"):
+        copy.copy(opt)
