@@ -242,8 +242,6 @@ def _child(request) -> None:
     os.dup2(null, 0)
     os.close(null)
     os.environ.update(request["env"])
-    import faulthandler
-    faulthandler.enable(all_threads=True)    # an abort at exit shows where each thread was
     try:
         run_rank(request["config"])
     except BaseException as error:
