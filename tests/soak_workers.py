@@ -201,6 +201,15 @@ def offload_soak(steps: int, directory, device="cpu") -> dict:
             "placement": opt.placement()}
 
 
+def offload_soak_alone(steps: int, directory: str) -> dict:
+    """offload_soak in a process of its own, on one intra-op thread: threads
+    and arenas that earlier work in the caller's process leaves coming and
+    going would move the mapping count by a few, which hides nothing but
+    reads as a leak."""
+    torch.set_num_threads(1)
+    return offload_soak(steps, directory)
+
+
 # ---- gather_for_generation soak (stage 3, every rank) --------------------------------------
 
 class _Planted(Exception):
