@@ -15,7 +15,7 @@ DEPS := $(TORCH_PIN) numpy pytest pytest-benchmark pytest-timeout hypothesis "se
 	wheel build nvidia-nccl-cu13 transformers trl==1.13.0 requests
 
 .PHONY: deps install demo test wheel-check sim-deps test-sim test-chaos bench gpu-check gpu-sanitize \
-	clean
+	compare structure clean
 
 deps:
 	$(PIP) install --quiet --disable-pip-version-check $(DEPS)
@@ -58,6 +58,19 @@ test-chaos: sim-deps
 bench: install
 	$(PYTHON) -m pytest -q benchmarks --benchmark-columns=min,mean,stddev,rounds \
 		--benchmark-group-by=group
+
+# The speed of this tree against an earlier revision (both built for the CPU),
+# every workload of benchmarks/revision_workloads.py in interleaved rounds;
+# fails if one runs at under 0.95x the old speed. e.g. make compare REV=ff51111
+REV ?= HEAD~1
+compare: install
+	$(PYTHON) tools/perf/compare_revisions.py $(REV) $(COMPARE_ARGS)
+
+# The layering: import circles, underscore reads across modules, shard splits,
+# and circles of C files calling each other (in the objects of the last build).
+structure: install
+	$(PYTHON) tools/structure/py_structure.py rlhfz
+	$(PYTHON) tools/structure/c_calls.py
 
 # A GPU machine keeps its own CUDA torch (and may have no network): build rlhfz in
 # place for sm_90 (~20 s), install nothing. Then the benchmarks and the GPU tests,

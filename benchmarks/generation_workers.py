@@ -38,7 +38,7 @@ def run(rank, world_size, rounds):
     opt = rlhfz.ZeroAdamW(model, stage=3, param_persistence_threshold=1000)
     stage3 = opt.stage3
     total = sum(stage3.unit_bytes(i) for i in range(len(stage3.units)))
-    shard = sum(b.param_buffer.nbytes for _, buckets in stage3.units for b in buckets)
+    shard = sum(b.storage.buffers["param"].nbytes for _, buckets in stage3.units for b in buckets)
     modes = {"unit_by_unit": dict(enabled=False), "full": dict(enabled=True)}
     for q in (25, 50, 75):
         modes[f"budget_{q}"] = dict(budget_bytes=total * q // 100)

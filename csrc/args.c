@@ -1,7 +1,10 @@
-/* args.c: binding METH_FASTCALL | METH_KEYWORDS arguments to named slots.
+/* args.c: binding METH_FASTCALL | METH_KEYWORDS arguments to named slots,
+ * and converting the arguments many entry points share: numbers and streams.
  *
  * The public C API has no keyword parser for vectorcall, and the tuple/dict
- * one would cost an allocation per call on the optimizer's hot path. */
+ * one would cost an allocation per call on the optimizer's hot path. Every
+ * `stream=` of rlhfz._C goes through rlhfz_arg_stream, so they all accept the
+ * same things. */
 #include "rlhfz_module.h"
 
 int rlhfz_parse_args(const char *func, PyObject *const *args, Py_ssize_t nargs,
@@ -79,5 +82,47 @@ int rlhfz_arg_int64(PyObject *obj, const char *name, int64_t *out)
         return -1;
     }
     *out = (int64_t)value;
+    return 0;
+}
+
+int rlhfz_arg_stream(PyObject *obj, void **stream)
+{
+    *stream = NULL;
+    if (obj == NULL || obj == Py_None)
+        return 0;
+    PyObject *handle = NULL;
+    if (PyLong_Check(obj)) {
+        handle = Py_NewRef(obj);
+    } else {
+        /* torch.cuda.Stream names its handle cuda_stream; rlhfz's CudaStream, handle. */
+        static const char *const attributes[] = {"cuda_stream", "handle"};
+        for (int i = 0; i < 2 && handle == NULL; i++) {
+            handle = PyObject_GetAttrString(obj, attributes[i]);
+            if (handle == NULL) {
+                if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+                    return -1;
+                PyErr_Clear();
+            }
+        }
+        if (handle == NULL || !PyLong_Check(handle)) {
+            Py_XDECREF(handle);
+            PyErr_Format(PyExc_TypeError,
+                         "stream must be None, a stream handle (int), or a stream object with "
+                         "a cuda_stream or handle attribute, not %.200s", Py_TYPE(obj)->tp_name);
+            return -1;
+        }
+    }
+    unsigned long long value = PyLong_AsUnsignedLongLong(handle);
+    Py_DECREF(handle);
+    if (value == (unsigned long long)-1 && PyErr_Occurred()) {
+        if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            PyErr_Clear();
+            PyErr_SetString(PyExc_ValueError, "stream handle must be an address >= 0");
+        }
+        return -1;
+    }
+    /* 0 and 1 are the legacy default stream, 2 the per-thread one (the
+     * runtime's own values for cudaStreamLegacy and cudaStreamPerThread). */
+    *stream = value <= 1 ? NULL : (void *)(uintptr_t)value;
     return 0;
 }

@@ -11,57 +11,6 @@
 #include <structmember.h>
 #include <string.h>
 
-/* ---- dtypes ---------------------------------------------------------------- */
-
-static const struct {
-    const char *name;
-    const char *alias;
-    rlhfz_dtype dtype;
-} dtype_names[] = {
-    {"float32", "torch.float32", RLHFZ_DTYPE_F32},
-    {"bfloat16", "torch.bfloat16", RLHFZ_DTYPE_BF16},
-    {"float16", "torch.float16", RLHFZ_DTYPE_F16},
-};
-
-const char *rlhfz_dtype_name(rlhfz_dtype dtype)
-{
-    for (size_t i = 0; i < sizeof(dtype_names) / sizeof(dtype_names[0]); i++)
-        if (dtype_names[i].dtype == dtype)
-            return dtype_names[i].name;
-    return "unknown";
-}
-
-int rlhfz_dtype_from_object(PyObject *obj, rlhfz_dtype *out)
-{
-    /* Accept "float32" and also torch dtypes (by their str), without importing torch. */
-    PyObject *text = PyUnicode_Check(obj) ? Py_NewRef(obj) : PyObject_Str(obj);
-    if (text == NULL)
-        return -1;
-    for (size_t i = 0; i < sizeof(dtype_names) / sizeof(dtype_names[0]); i++) {
-        if (PyUnicode_CompareWithASCIIString(text, dtype_names[i].name) == 0 ||
-            PyUnicode_CompareWithASCIIString(text, dtype_names[i].alias) == 0) {
-            *out = dtype_names[i].dtype;
-            Py_DECREF(text);
-            return 0;
-        }
-    }
-    PyErr_Format(PyExc_TypeError, "unsupported dtype %R: expected float32, bfloat16 or float16", text);
-    Py_DECREF(text);
-    return -1;
-}
-
-DLDataType rlhfz_dtype_to_dl(rlhfz_dtype dtype)
-{
-    DLDataType dl = {kDLFloat, 32, 1};
-    if (dtype == RLHFZ_DTYPE_BF16) {
-        dl.code = kDLBfloat;
-        dl.bits = 16;
-    } else if (dtype == RLHFZ_DTYPE_F16) {
-        dl.bits = 16;
-    }
-    return dl;
-}
-
 /* ---- Buffer ---------------------------------------------------------------- */
 
 rlhfz_Buffer *rlhfz_buffer_alloc(rlhfz_state *state, size_t nbytes, size_t alignment, int zero)
@@ -272,7 +221,7 @@ static PyObject *Buffer_copy_from(rlhfz_Buffer *self, PyObject *const *args, Py_
     }
     void *stream = NULL;
     int non_blocking = 0;
-    if (rlhfz_stream_from_object(slots[1], &stream) < 0 ||
+    if (rlhfz_arg_stream(slots[1], &stream) < 0 ||
         (slots[2] != NULL && (non_blocking = PyObject_IsTrue(slots[2])) < 0))
         return NULL;
     if (src == self || self->nbytes == 0)

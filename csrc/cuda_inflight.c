@@ -89,6 +89,35 @@ int rlhfz_inflight_keep(rlhfz_inflight *inflight, rlhfz_borrowed *b, void *event
     return 0;
 }
 
+#ifdef RLHFZ_WITH_CUDA
+int rlhfz_inflight_fence(void **event, void *stream)
+{
+    rlhfz_status status = *event != NULL ? RLHFZ_OK : rlhfz_cuda_event_create(event);
+    if (status == RLHFZ_OK)
+        status = rlhfz_cuda_event_record(*event, stream);
+    if (status == RLHFZ_OK)
+        return 1;
+    /* no event to wait behind: wait for the work here */
+    (void)rlhfz_cuda_stream_synchronize(stream);
+    return 0;
+}
+
+void rlhfz_inflight_settle(rlhfz_inflight *inflight, rlhfz_borrowed *b, void *event, int device,
+                           int kept)
+{
+    if (kept && rlhfz_inflight_keep(inflight, b, event, device) < 0) {
+        /* no memory to keep them: the work is queued, so wait for it here */
+        PyErr_Clear();
+        Py_BEGIN_ALLOW_THREADS
+        (void)rlhfz_cuda_event_synchronize(event);
+        Py_END_ALLOW_THREADS
+        kept = 0;
+    }
+    if (!kept && event != NULL)
+        rlhfz_cuda_event_destroy(event);
+}
+#endif
+
 /* Whether the kernel behind the entry is done; a failing query (a lost
  * context) counts as done: nothing will run any more. */
 static int finished(inflight_entry *entry)

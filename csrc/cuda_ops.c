@@ -94,28 +94,13 @@ static PyObject *launch_on(PyObject *module, const char *what, int device, cuda_
     status = rlhfz_device_enter(device, &previous);
     if (status == RLHFZ_OK) {
         status = launch(args, stream);
-        if (status == RLHFZ_OK && keep) {
-            rlhfz_status fenced = event != NULL ? RLHFZ_OK : rlhfz_cuda_event_create(&event);
-            if (fenced == RLHFZ_OK)
-                fenced = rlhfz_cuda_event_record(event, stream);
-            kept = fenced == RLHFZ_OK;
-            if (!kept)           /* no event to wait behind: wait for the kernel here */
-                (void)rlhfz_cuda_stream_synchronize(stream);
-        }
+        if (status == RLHFZ_OK && keep)
+            kept = rlhfz_inflight_fence(&event, stream);
         /* a device left current that the caller did not choose is an error too */
         status = rlhfz_device_leave(device, previous, status);
     }
     Py_END_ALLOW_THREADS
-    if (kept && rlhfz_inflight_keep(inflight, b, event, device) < 0) {
-        /* no memory to keep them: the kernel is queued, so wait for it here */
-        PyErr_Clear();
-        Py_BEGIN_ALLOW_THREADS
-        (void)rlhfz_cuda_event_synchronize(event);
-        Py_END_ALLOW_THREADS
-        kept = 0;
-    }
-    if (!kept && event != NULL)
-        rlhfz_cuda_event_destroy(event);
+    rlhfz_inflight_settle(inflight, b, event, device, kept);
     rlhfz_borrowed_release(b);
     if (rlhfz_raise_status(status, what) < 0)
         return NULL;
@@ -202,7 +187,7 @@ static PyObject *cuda_adamw_step(PyObject *module, PyObject *const *args, Py_ssi
     adamw_launch_args a = {.device_hparams = NULL, .skip_if = NULL};
     void *stream;
     if (rlhfz_adamw_hparams_from_args("cuda_adamw_step", slots + LR, &a.hp) < 0 ||
-        rlhfz_stream_from_object(slots[STREAM], &stream) < 0)
+        rlhfz_arg_stream(slots[STREAM], &stream) < 0)
         return NULL;
     rlhfz_borrowed b = {.count = 0};
     int device;
@@ -240,7 +225,7 @@ static PyObject *cuda_sumsq(PyObject *module, PyObject *const *args, Py_ssize_t 
     elementwise_launch_args a = {.accumulate = 0};
     void *stream;
     if ((slots[ACCUMULATE] != NULL && (a.accumulate = PyObject_IsTrue(slots[ACCUMULATE])) < 0) ||
-        rlhfz_stream_from_object(slots[STREAM], &stream) < 0)
+        rlhfz_arg_stream(slots[STREAM], &stream) < 0)
         return NULL;
     rlhfz_borrowed b = {.count = 0};
     rlhfz_array *x = borrow(module, &b, slots[X], "x", 0, stream);
@@ -296,7 +281,7 @@ static PyObject *cuda_unscale_(PyObject *module, PyObject *const *args, Py_ssize
     double inv_scale;
     void *stream;
     if (rlhfz_arg_double(slots[INV_SCALE], "inv_scale", &inv_scale) < 0 ||
-        rlhfz_stream_from_object(slots[STREAM], &stream) < 0)
+        rlhfz_arg_stream(slots[STREAM], &stream) < 0)
         return NULL;
     if (slots[FOUND_INF] == Py_None) {
         PyErr_SetString(PyExc_TypeError, "found_inf must be an rlhfz Buffer in the device tier, not None");
@@ -328,7 +313,7 @@ static PyObject *cuda_scale_(PyObject *module, PyObject *const *args, Py_ssize_t
     double scale = 1.0;
     void *stream;
     if ((slots[SCALE] != NULL && rlhfz_arg_double(slots[SCALE], "scale", &scale) < 0) ||
-        rlhfz_stream_from_object(slots[STREAM], &stream) < 0)
+        rlhfz_arg_stream(slots[STREAM], &stream) < 0)
         return NULL;
     rlhfz_borrowed b = {.count = 0};
     elementwise_launch_args a = {.factor = (float)scale};
@@ -350,7 +335,7 @@ static PyObject *cuda_cast_(PyObject *module, PyObject *const *args, Py_ssize_t 
     if (rlhfz_parse_args("cuda_cast_", args, nargs, kwnames, names, 2, 2, slots) < 0)
         return NULL;
     void *stream;
-    if (rlhfz_stream_from_object(slots[STREAM], &stream) < 0)
+    if (rlhfz_arg_stream(slots[STREAM], &stream) < 0)
         return NULL;
     rlhfz_borrowed b = {.count = 0};
     rlhfz_array *dst, *src;
@@ -423,7 +408,7 @@ static PyObject *cuda_fetch(PyObject *module, PyObject *const *args, Py_ssize_t 
     void *stream;
     if (rlhfz_arg_int64(slots[OFFSET], "offset", &offset) < 0 ||
         rlhfz_arg_int64(slots[NBYTES], "nbytes", &nbytes) < 0 ||
-        rlhfz_stream_from_object(slots[STREAM], &stream) < 0)
+        rlhfz_arg_stream(slots[STREAM], &stream) < 0)
         return NULL;
     rlhfz_Buffer *buffer = buffer_arg(module, slots[BUFFER]);
     if (buffer == NULL)
@@ -459,7 +444,7 @@ static PyObject *cuda_store(PyObject *module, PyObject *const *args, Py_ssize_t 
     int64_t offset;
     void *stream;
     if (rlhfz_arg_int64(slots[OFFSET], "offset", &offset) < 0 ||
-        rlhfz_stream_from_object(slots[STREAM], &stream) < 0)
+        rlhfz_arg_stream(slots[STREAM], &stream) < 0)
         return NULL;
     if (!PyBytes_Check(slots[DATA])) {
         PyErr_Format(PyExc_TypeError, "data must be bytes, not %.200s", Py_TYPE(slots[DATA])->tp_name);

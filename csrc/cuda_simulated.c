@@ -141,7 +141,7 @@ static PyObject *cuda_sim_inject(PyObject *module, PyObject *arg)
 static PyObject *cuda_sim_hold(PyObject *module, PyObject *arg)
 {
     void *stream;
-    if (rlhfz_stream_from_object(arg, &stream) < 0 || require_simulated("cuda_sim_hold") < 0)
+    if (rlhfz_arg_stream(arg, &stream) < 0 || require_simulated("cuda_sim_hold") < 0)
         return NULL;
 #ifdef RLHFZ_WITH_CUDA
     unsigned long long token = 0;

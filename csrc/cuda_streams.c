@@ -223,7 +223,7 @@ static PyObject *CudaEvent_record(rlhfz_CudaEvent *self, PyObject *const *args, 
         return NULL;
     void *stream;
     if (closed_error(self->handle, "CudaEvent") < 0 ||
-        rlhfz_stream_from_object(slots[0], &stream) < 0)
+        rlhfz_arg_stream(slots[0], &stream) < 0)
         return NULL;
 #ifdef RLHFZ_WITH_CUDA
     rlhfz_status status;
@@ -248,7 +248,7 @@ static PyObject *CudaEvent_wait(rlhfz_CudaEvent *self, PyObject *const *args, Py
         return NULL;
     void *stream;
     if (closed_error(self->handle, "CudaEvent") < 0 ||
-        rlhfz_stream_from_object(slots[0], &stream) < 0)
+        rlhfz_arg_stream(slots[0], &stream) < 0)
         return NULL;
 #ifdef RLHFZ_WITH_CUDA
     rlhfz_status status;

@@ -90,16 +90,9 @@ static int validate_tensor(const DLTensor *tensor, const char *name, rlhfz_place
     int deferred = maybe_simulated_alias(device);
     if (!deferred && check_place(name, place, device) < 0)
         return -1;
-    DLDataType dt = tensor->dtype;
-    if (dt.lanes == 1 && dt.code == kDLFloat && dt.bits == 32)
-        out->dtype = RLHFZ_DTYPE_F32;
-    else if (dt.lanes == 1 && dt.code == kDLBfloat && dt.bits == 16)
-        out->dtype = RLHFZ_DTYPE_BF16;
-    else if (dt.lanes == 1 && dt.code == kDLFloat && dt.bits == 16)
-        out->dtype = RLHFZ_DTYPE_F16;
-    else {
+    if (rlhfz_dtype_from_dl(tensor->dtype, &out->dtype) < 0) {
         char text[48];
-        describe_dl_dtype(dt, text, sizeof(text));
+        describe_dl_dtype(tensor->dtype, text, sizeof(text));
         PyErr_Format(PyExc_BufferError,
                      "%s has dtype %s; supported dtypes are float32, bfloat16 and float16",
                      name, text);

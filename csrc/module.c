@@ -1,7 +1,10 @@
-/* module.c: the rlhfz._C module: multi-phase init, module state, and the
- * entry points that describe the build and set the CPU threads. */
+/* module.c: the rlhfz._C module: multi-phase init (each file registers its
+ * own types and functions), and the entry points that describe the build,
+ * set the CPU threads and pick the CUDA device. Nothing calls into this
+ * file; the state lookups are in module_state.c. */
 #include "rlhfz_module.h"
 #include "nccl_comm.h"
+#include "nccl_library.h"
 
 #ifdef RLHFZ_WITH_CUDA
 #include "rlhfz_cuda.h"
@@ -10,16 +13,6 @@
 #ifndef RLHFZ_VERSION
 #define RLHFZ_VERSION "0.1.0"
 #endif
-
-rlhfz_state *rlhfz_get_state(PyObject *module)
-{
-    return (rlhfz_state *)PyModule_GetState(module);
-}
-
-rlhfz_state *rlhfz_state_from_type(PyTypeObject *type)
-{
-    return (rlhfz_state *)PyType_GetModuleState(type);
-}
 
 static PyObject *build_info(PyObject *module, PyObject *unused)
 {
@@ -238,7 +231,7 @@ static int module_exec(PyObject *module)
         return -1;
     if (rlhfz_cuda_add_types(module) < 0)
         return -1;
-    if (rlhfz_nccl_add_types(module) < 0)
+    if (rlhfz_nccl_library_add(module) < 0 || rlhfz_nccl_comm_add_type(module) < 0)
         return -1;
     if (PyModule_AddStringConstant(module, "__version__", RLHFZ_VERSION) < 0)
         return -1;

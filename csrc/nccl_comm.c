@@ -1,314 +1,30 @@
-/* nccl_comm.c: a native NCCL communicator for rlhfz._C, with libnccl.so.2
- * opened lazily through dlopen (no link-time dependency on NCCL or CUDA).
+/* nccl_comm.c: NcclComm, a native NCCL communicator on rlhfz borrows.
  *
- * Python surface: nccl_load(path=None), nccl_version(), nccl_unique_id() and
- * the NcclComm type, whose collectives take raw device addresses, element
- * counts, dtype names and a cudaStream_t handle, all as Python ints and str.
- * The caller (rlhfz/ with torch) makes the right device current and keeps the
- * buffers alive until the stream has run the collective.
+ * Its collectives take arrays, as the kernel entry points do: rlhfz device
+ * views, or anything with __dlpack__ in CUDA memory (a torch tensor). Each is
+ * borrowed for the call (rlhfz_borrow) and checked before NCCL is called: the
+ * communicator's device, one dtype for both, the element counts the
+ * collective needs, and no overlap but exact in-place use. The dtype and
+ * count NCCL gets come from the arrays. A tensor borrowed through DLPack is
+ * kept until the collective is done on its stream (cuda_inflight.c): NCCL
+ * reads and writes it after the call returns.
  *
- * Every argument is checked before NCCL is called; every NCCL call that can
- * block runs with the GIL released. A communicator that saw an NCCL error is
- * aborted (ncclCommAbort), never left half-usable: after a failed collective
- * the ranks no longer agree on the order of operations, and the next
- * collective would hang.
+ * Every NCCL call that can block runs with the GIL released. A communicator
+ * that saw an NCCL error is aborted (ncclCommAbort), never left half-usable:
+ * after a failed collective the ranks no longer agree on the order of
+ * operations, and the next collective would hang. The library itself
+ * (dlopen, the symbol table, versions) is nccl_library.c's.
  */
 #include "nccl_comm.h"
+#include "nccl_library.h"
 
-#include <dlfcn.h>
+#ifdef RLHFZ_WITH_CUDA
+#include "rlhfz_cuda.h"
+#endif
+
 #include <limits.h>
-#include <stdlib.h>
+#include <stdint.h>
 #include <string.h>
-
-/* The library table lives in a capsule, one per module instance, stored in
- * the module as _nccl_library: rlhfz_state (shared by every csrc file) has no
- * slot for it, and this keeps it out of C globals. Each NcclComm holds a
- * reference to the capsule, so the table outlives every communicator. */
-#define LIBRARY_ATTR "_nccl_library"
-#define LIBRARY_CAPSULE "rlhfz._C._nccl_library"
-
-/* ---- errors ------------------------------------------------------------------ */
-
-static const char *result_name(ncclResult_t result)
-{
-    switch (result) {
-    case ncclSuccess: return "ncclSuccess";
-    case ncclUnhandledCudaError: return "ncclUnhandledCudaError";
-    case ncclSystemError: return "ncclSystemError";
-    case ncclInternalError: return "ncclInternalError";
-    case ncclInvalidArgument: return "ncclInvalidArgument";
-    case ncclInvalidUsage: return "ncclInvalidUsage";
-    case ncclRemoteError: return "ncclRemoteError";
-    case ncclInProgress: return "ncclInProgress";
-    }
-    return "unknown ncclResult_t";
-}
-
-void rlhfz_nccl_set_error(const rlhfz_nccl_library *lib, ncclResult_t result, const char *what,
-                          const char *file, int line)
-{
-    if (PyErr_Occurred())
-        return;
-    const char *text = lib != NULL && lib->GetErrorString != NULL ? lib->GetErrorString(result) : NULL;
-    /* NCCL keeps the last error per thread and ignores the comm argument
-     * (documented: it may be NULL); this is the thread that made the call. */
-    const char *last = lib != NULL && lib->GetLastError != NULL ? lib->GetLastError(NULL) : NULL;
-    if (text == NULL)
-        text = "no description";
-    if (last != NULL && last[0] != '\0')
-        PyErr_Format(PyExc_RuntimeError, "%s:%d: %s failed: %s (%d): %s; last error: %s",
-                     file, line, what, result_name(result), (int)result, text, last);
-    else
-        PyErr_Format(PyExc_RuntimeError, "%s:%d: %s failed: %s (%d): %s",
-                     file, line, what, result_name(result), (int)result, text);
-}
-
-/* ---- loading libnccl.so.2 ------------------------------------------------------- */
-
-static const struct {
-    const char *name;
-    size_t offset;
-    int required;
-} nccl_symbols[] = {
-    {"ncclGetVersion", offsetof(rlhfz_nccl_library, GetVersion), 1},
-    {"ncclGetUniqueId", offsetof(rlhfz_nccl_library, GetUniqueId), 1},
-    {"ncclCommInitRank", offsetof(rlhfz_nccl_library, CommInitRank), 1},
-    {"ncclCommDestroy", offsetof(rlhfz_nccl_library, CommDestroy), 1},
-    {"ncclCommAbort", offsetof(rlhfz_nccl_library, CommAbort), 1},
-    {"ncclCommGetAsyncError", offsetof(rlhfz_nccl_library, CommGetAsyncError), 1},
-    {"ncclGetErrorString", offsetof(rlhfz_nccl_library, GetErrorString), 1},
-    {"ncclGetLastError", offsetof(rlhfz_nccl_library, GetLastError), 0},
-    {"ncclCommCuDevice", offsetof(rlhfz_nccl_library, CommCuDevice), 0},
-    {"ncclAllReduce", offsetof(rlhfz_nccl_library, AllReduce), 1},
-    {"ncclReduceScatter", offsetof(rlhfz_nccl_library, ReduceScatter), 1},
-    {"ncclAllGather", offsetof(rlhfz_nccl_library, AllGather), 1},
-    {"ncclBroadcast", offsetof(rlhfz_nccl_library, Broadcast), 1},
-    {"ncclGroupStart", offsetof(rlhfz_nccl_library, GroupStart), 1},
-    {"ncclGroupEnd", offsetof(rlhfz_nccl_library, GroupEnd), 1},
-};
-
-/* dlerror() texts of the attempts that failed (each names its file), for
- * the final message. */
-typedef struct {
-    char text[2048];
-    size_t length;
-} attempts;
-
-static void attempts_add(attempts *a, const char *file, const char *error)
-{
-    size_t room = sizeof(a->text) - a->length;
-    if (room <= 1)
-        return;
-    int n = error != NULL ? snprintf(a->text + a->length, room, "%s%s", a->length ? "; " : "", error)
-                          : snprintf(a->text + a->length, room, "%s%s: unknown error",
-                                     a->length ? "; " : "", file);
-    if (n > 0)
-        a->length += (size_t)n < room ? (size_t)n : room - 1;
-}
-
-/* Opens NCCL, in this order: the copy already in the process (torch's,
- * usually: two NCCLs in one process is asking for trouble), the file named by
- * RLHFZ_NCCL_LIBRARY, `path` (e.g. the pip wheel's, found by the Python
- * layer), then the dynamic linker's search. Sets RuntimeError on failure. */
-static void *open_library(const char *path)
-{
-    attempts tried = {.length = 0};
-    void *handle = dlopen(RLHFZ_NCCL_SONAME, RTLD_NOW | RTLD_NOLOAD);
-    if (handle != NULL)
-        return handle;
-    const char *env = getenv("RLHFZ_NCCL_LIBRARY");
-    if (env != NULL && env[0] != '\0') {
-        /* An explicit choice: failing over to another copy would hide it. */
-        handle = dlopen(env, RTLD_NOW | RTLD_LOCAL);
-        if (handle == NULL) {
-            const char *error = dlerror();
-            PyErr_Format(PyExc_RuntimeError, "RLHFZ_NCCL_LIBRARY=%s could not be loaded: %s",
-                         env, error != NULL ? error : "unknown error");
-        }
-        return handle;
-    }
-    if (path != NULL) {
-        handle = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-        if (handle != NULL)
-            return handle;
-        attempts_add(&tried, path, dlerror());
-    }
-    handle = dlopen(RLHFZ_NCCL_SONAME, RTLD_NOW | RTLD_LOCAL);
-    if (handle != NULL)
-        return handle;
-    attempts_add(&tried, RLHFZ_NCCL_SONAME, dlerror());
-    PyErr_Format(PyExc_RuntimeError,
-                 "NCCL (%s) could not be loaded: %s. Install the nvidia-nccl-cu13 (or -cu12) "
-                 "wheel, or set RLHFZ_NCCL_LIBRARY to the path of a libnccl.so.2",
-                 RLHFZ_NCCL_SONAME, tried.text);
-    return NULL;
-}
-
-/* Fills *lib on success; on failure sets an exception and leaves *lib as it
- * was. Runs with the GIL held, so two threads cannot load at once (the load
- * happens once per module, and NCCL's constructors take no Python locks). */
-static int library_load(rlhfz_nccl_library *lib, const char *path)
-{
-    if (lib->handle != NULL)
-        return 0;
-    void *handle = open_library(path);
-    if (handle == NULL)
-        return -1;
-    rlhfz_nccl_library staged;
-    memset(&staged, 0, sizeof(staged));
-    void *version_symbol = dlsym(handle, "ncclGetVersion");
-    Dl_info info;
-    const char *file = RLHFZ_NCCL_SONAME;
-    if (version_symbol != NULL && dladdr(version_symbol, &info) && info.dli_fname != NULL &&
-        info.dli_fname[0] != '\0')
-        file = info.dli_fname;
-    for (size_t i = 0; i < sizeof(nccl_symbols) / sizeof(nccl_symbols[0]); i++) {
-        void *symbol = dlsym(handle, nccl_symbols[i].name);
-        if (symbol == NULL && nccl_symbols[i].required) {
-            PyErr_Format(PyExc_RuntimeError, "the NCCL library %s has no symbol %s (rlhfz needs "
-                         "NCCL >= 2.10)", file, nccl_symbols[i].name);
-            goto error;
-        }
-        /* POSIX guarantees that a dlsym result converts to a function
-         * pointer; copying the bits keeps the table generic. */
-        memcpy((char *)&staged + nccl_symbols[i].offset, &symbol, sizeof(symbol));
-    }
-    RLHFZ_NCCL_CHECK(&staged, staged.GetVersion(&staged.version), "ncclGetVersion");
-    if (staged.version < RLHFZ_NCCL_MIN_VERSION) {
-        PyErr_Format(PyExc_RuntimeError, "the NCCL library %s is version %d: rlhfz needs NCCL >= "
-                     "2.10 (%d), for bfloat16 and the average reduction", file, staged.version,
-                     RLHFZ_NCCL_MIN_VERSION);
-        goto error;
-    }
-    staged.path = realpath(file, NULL);
-    if (staged.path == NULL)
-        staged.path = strdup(file);
-    if (staged.path == NULL) {
-        PyErr_NoMemory();
-        goto error;
-    }
-    staged.handle = handle;
-    *lib = staged;
-    return 0;
-error:
-    /* Nothing of this library is in use yet, so it may go (a copy that was
-     * already in the process only loses the reference taken here). */
-    dlclose(handle);
-    return -1;
-}
-
-/* The library table of `module` (a borrowed pointer kept alive by the
- * capsule), loading NCCL if needed; *capsule_out, if not NULL, gets a new
- * reference to the capsule. */
-static rlhfz_nccl_library *library_get(PyObject *module, const char *path, PyObject **capsule_out)
-{
-    PyObject *capsule = PyObject_GetAttrString(module, LIBRARY_ATTR);
-    if (capsule == NULL) {
-        if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
-            PyErr_Clear();
-            PyErr_SetString(PyExc_RuntimeError, "rlhfz._C has lost its NCCL library table ("
-                            LIBRARY_ATTR " was deleted)");
-        }
-        return NULL;
-    }
-    if (!PyCapsule_IsValid(capsule, LIBRARY_CAPSULE)) {
-        Py_DECREF(capsule);
-        PyErr_SetString(PyExc_RuntimeError, "rlhfz._C." LIBRARY_ATTR " is not rlhfz's NCCL "
-                        "library table (it was replaced)");
-        return NULL;
-    }
-    rlhfz_nccl_library *lib = PyCapsule_GetPointer(capsule, LIBRARY_CAPSULE);
-    if (lib == NULL || library_load(lib, path) < 0) {
-        Py_DECREF(capsule);
-        return NULL;
-    }
-    if (capsule_out != NULL)
-        *capsule_out = capsule;
-    else
-        Py_DECREF(capsule);
-    return lib;
-}
-
-static void library_capsule_destructor(PyObject *capsule)
-{
-    rlhfz_nccl_library *lib = PyCapsule_GetPointer(capsule, LIBRARY_CAPSULE);
-    if (lib == NULL) {
-        PyErr_Clear();
-        return;
-    }
-    /* The handle is never dlclose'd: NCCL runs threads of its own, and a
-     * communicator leaked at exit may still be using its code. */
-    free(lib->path);
-    free(lib);
-}
-
-/* ---- module functions ------------------------------------------------------------- */
-
-static PyObject *nccl_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
-                           PyObject *kwnames)
-{
-    static const char *const names[] = {"path", NULL};
-    PyObject *slots[1];
-    if (rlhfz_parse_args("nccl_load", args, nargs, kwnames, names, 1, 0, slots) < 0)
-        return NULL;
-    PyObject *path_bytes = NULL;
-    const char *path = NULL;
-    if (slots[0] != NULL && slots[0] != Py_None) {
-        if (!PyUnicode_FSConverter(slots[0], &path_bytes))
-            return NULL;
-        path = PyBytes_AS_STRING(path_bytes);
-        if (path[0] == '\0') {
-            Py_DECREF(path_bytes);
-            PyErr_SetString(PyExc_ValueError, "nccl_load(): path must not be empty");
-            return NULL;
-        }
-    }
-    rlhfz_nccl_library *lib = library_get(module, path, NULL);
-    Py_XDECREF(path_bytes);
-    if (lib == NULL)
-        return NULL;
-    return PyUnicode_DecodeFSDefault(lib->path);
-}
-
-static PyObject *nccl_version(PyObject *module, PyObject *unused)
-{
-    rlhfz_nccl_library *lib = library_get(module, NULL, NULL);
-    if (lib == NULL)
-        return NULL;
-    return PyLong_FromLong(lib->version);
-}
-
-static PyObject *nccl_unique_id(PyObject *module, PyObject *unused)
-{
-    rlhfz_nccl_library *lib = library_get(module, NULL, NULL);
-    if (lib == NULL)
-        return NULL;
-    ncclUniqueId id;
-    memset(&id, 0, sizeof(id));
-    ncclResult_t result;
-    /* It starts NCCL's bootstrap root (a socket and a thread) in this process. */
-    Py_BEGIN_ALLOW_THREADS
-    result = lib->GetUniqueId(&id);
-    Py_END_ALLOW_THREADS
-    RLHFZ_NCCL_CHECK(lib, result, "ncclGetUniqueId");
-    return PyBytes_FromStringAndSize(id.internal, RLHFZ_NCCL_UNIQUE_ID_BYTES);
-error:
-    return NULL;
-}
-
-static PyMethodDef nccl_methods[] = {
-    {"nccl_load", (PyCFunction)(void (*)(void))nccl_load, METH_FASTCALL | METH_KEYWORDS,
-     "nccl_load(path=None) -> str\n\n"
-     "Load libnccl.so.2 once (later calls return at once) and return the file loaded.\n"
-     "Order: a copy already in the process (e.g. torch's), $RLHFZ_NCCL_LIBRARY, path,\n"
-     "then the dynamic linker's search. Raises RuntimeError if none loads."},
-    {"nccl_version", nccl_version, METH_NOARGS,
-     "nccl_version() -> int: ncclGetVersion, e.g. 22703 for 2.27.3 (loads NCCL if needed)."},
-    {"nccl_unique_id", nccl_unique_id, METH_NOARGS,
-     "nccl_unique_id() -> bytes: a new 128-byte ncclUniqueId; the calling process hosts\n"
-     "the bootstrap root, so it must live until every rank has joined."},
-    {NULL, NULL, 0, NULL},
-};
 
 /* ---- argument checking ------------------------------------------------------------ */
 
@@ -325,85 +41,6 @@ static int arg_int_range(PyObject *obj, const char *func, const char *name, int6
         return -1;
     }
     *out = (int)value;
-    return 0;
-}
-
-/* An address (a device pointer or a stream handle): a non-negative int that
- * fits in a pointer. */
-static int arg_address(PyObject *obj, const char *func, const char *name, uintptr_t *out)
-{
-    if (!PyIndex_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "%s: %s must be an int (an address), not %.200s",
-                     func, name, Py_TYPE(obj)->tp_name);
-        return -1;
-    }
-    PyObject *index = PyNumber_Index(obj);
-    if (index == NULL)
-        return -1;
-    int overflow = 0;
-    long long value = PyLong_AsLongLongAndOverflow(index, &overflow);
-    unsigned long long address = (unsigned long long)value;
-    if (value == -1 && !overflow && PyErr_Occurred())
-        goto error;
-    if (overflow < 0 || (!overflow && value < 0)) {
-        PyErr_Format(PyExc_ValueError, "%s: %s must be a non-negative address, not %R",
-                     func, name, index);
-        goto error;
-    }
-    if (overflow > 0) {
-        address = PyLong_AsUnsignedLongLong(index);
-        if (address == (unsigned long long)-1 && PyErr_Occurred()) {
-            PyErr_Clear();
-            PyErr_Format(PyExc_OverflowError, "%s: %s = %R does not fit in a 64-bit address",
-                         func, name, index);
-            goto error;
-        }
-    }
-    if (address > UINTPTR_MAX) {
-        PyErr_Format(PyExc_OverflowError, "%s: %s = %R does not fit in a pointer", func, name, index);
-        goto error;
-    }
-    Py_DECREF(index);
-    *out = (uintptr_t)address;
-    return 0;
-error:
-    Py_DECREF(index);
-    return -1;
-}
-
-static int arg_count(PyObject *obj, const char *func, const char *name, size_t *out)
-{
-    int64_t value;
-    if (rlhfz_arg_int64(obj, name, &value) < 0)
-        return -1;
-    if (value < 0) {
-        PyErr_Format(PyExc_ValueError, "%s: %s must be >= 0, not %lld", func, name, (long long)value);
-        return -1;
-    }
-    if ((uint64_t)value > SIZE_MAX) {
-        PyErr_Format(PyExc_OverflowError, "%s: %s = %lld does not fit in size_t", func, name,
-                     (long long)value);
-        return -1;
-    }
-    *out = (size_t)value;
-    return 0;
-}
-
-/* "float32", "bfloat16", "float16" (or torch's dtypes), as rlhfz names them. */
-static int arg_dtype(PyObject *obj, ncclDataType_t *out, size_t *itemsize)
-{
-    rlhfz_dtype dtype;
-    if (rlhfz_dtype_from_object(obj, &dtype) < 0)
-        return -1;
-    switch (dtype) {
-    case RLHFZ_DTYPE_F32: *out = ncclFloat32; break;
-    case RLHFZ_DTYPE_BF16: *out = ncclBfloat16; break;
-    case RLHFZ_DTYPE_F16: *out = ncclFloat16; break;
-    default:
-        PyErr_Format(PyExc_TypeError, "unsupported dtype %R for NCCL", obj);
-        return -1;
-    }
-    *itemsize = rlhfz_dtype_size(dtype);
     return 0;
 }
 
@@ -551,7 +188,7 @@ static ncclResult_t comm_abort(NcclComm *self, const char *reason)
 static void comm_abort_after_error(NcclComm *self, const char *what, ncclResult_t result)
 {
     char reason[REASON_BYTES];
-    snprintf(reason, sizeof(reason), "after an error (%s: %s)", what, result_name(result));
+    snprintf(reason, sizeof(reason), "after an error (%s: %s)", what, rlhfz_nccl_result_name(result));
     (void)comm_abort(self, reason);
 }
 
@@ -576,7 +213,7 @@ static PyObject *NcclComm_new(PyTypeObject *type, PyObject *args, PyObject *kwar
     PyObject *module = PyType_GetModule(type);
     if (module == NULL)
         return NULL;
-    const rlhfz_nccl_library *lib = library_get(module, NULL, &capsule);
+    const rlhfz_nccl_library *lib = rlhfz_nccl_library_get(module, NULL, &capsule);
     if (lib == NULL)
         return NULL;
     self = (NcclComm *)type->tp_alloc(type, 0);
@@ -706,101 +343,158 @@ typedef enum {
     COLL_BROADCAST
 } coll_kind;
 
+/* What NCCL is called with, taken from the checked arguments. */
 typedef struct {
     coll_kind kind;
     const char *method;          /* NcclComm.<method>, for messages */
     const char *nccl_name;       /* the NCCL function it calls */
-    uintptr_t send;
-    uintptr_t recv;
+    const void *send;
+    void *recv;
     size_t count;                /* NCCL's count: per rank for reduce_scatter and all_gather */
     ncclDataType_t dtype;
     ncclRedOp_t op;
     int root;
-    uintptr_t stream;
+    void *stream;                /* NULL: the legacy default stream */
 } coll_args;
 
-static int check_extent(const char *func, const char *name, uintptr_t address, size_t nbytes)
+static ncclDataType_t nccl_dtype(rlhfz_dtype dtype)
 {
-    if (nbytes > UINTPTR_MAX - address) {
-        PyErr_Format(PyExc_OverflowError, "NcclComm.%s: %s = %p with %zu bytes runs past the end "
-                     "of the address space", func, name, (void *)address, nbytes);
+    switch (dtype) {
+    case RLHFZ_DTYPE_BF16: return ncclBfloat16;
+    case RLHFZ_DTYPE_F16: return ncclFloat16;
+    case RLHFZ_DTYPE_F32: break;
+    }
+    return ncclFloat32;
+}
+
+/* NCCL runs on the communicator's device; memory of another device would
+ * be read through the wrong GPU, or fault. */
+static int check_on_device(const NcclComm *self, const rlhfz_array *array, const char *name)
+{
+    if (array->device.device_id != self->device) {
+        PyErr_Format(PyExc_ValueError, "NcclComm: %s is on cuda:%d but the communicator is on "
+                     "cuda:%d", name, (int)array->device.device_id, self->device);
         return -1;
     }
     return 0;
 }
 
-/* Sizes, null pointers and aliasing. In place is the one overlap NCCL allows:
- * send == recv for all_reduce and broadcast, recv == send + rank * chunk for
- * reduce_scatter, send == recv + rank * chunk for all_gather; any other
- * overlap reads values the collective is writing. */
-static int check_buffers(NcclComm *self, const coll_args *a, size_t itemsize)
+/* `parts` must hold world_size times `whole`'s elements: the full side of a
+ * reduce_scatter (send) or an all_gather (recv). */
+static int check_world_parts(const NcclComm *self, const char *method, const rlhfz_array *whole,
+                             const char *whole_name, const rlhfz_array *part, const char *part_name)
 {
-    const char *func = a->method;
     size_t world = (size_t)self->world_size;
-    if (a->count > SIZE_MAX / itemsize / world) {
-        PyErr_Format(PyExc_OverflowError, "NcclComm.%s: %zu elements per rank times %d ranks "
-                     "overflow the address space", func, a->count, self->world_size);
-        return -1;
-    }
-    if (a->count == 0)
-        return 0;
-    size_t chunk = a->count * itemsize;     /* bytes of one rank's part */
-    size_t send_bytes = chunk, recv_bytes = chunk;
-    if (a->kind == COLL_REDUCE_SCATTER)
-        send_bytes = chunk * world;
-    else if (a->kind == COLL_ALL_GATHER)
-        recv_bytes = chunk * world;
-    /* Broadcast reads send only on the root; elsewhere it may be anything. */
-    int uses_send = a->kind != COLL_BROADCAST || a->root == self->rank;
-    if (uses_send && a->send == 0) {
-        PyErr_Format(PyExc_ValueError, "NcclComm.%s: send_ptr is 0 (NULL) with a count of %zu",
-                     func, a->count);
-        return -1;
-    }
-    if (a->recv == 0) {
-        PyErr_Format(PyExc_ValueError, "NcclComm.%s: recv_ptr is 0 (NULL) with a count of %zu",
-                     func, a->count);
-        return -1;
-    }
-    if ((uses_send && check_extent(func, "send_ptr", a->send, send_bytes) < 0) ||
-        check_extent(func, "recv_ptr", a->recv, recv_bytes) < 0)
-        return -1;
-    if (!uses_send)
-        return 0;
-    size_t offset = (size_t)self->rank * chunk;
-    int in_place;
-    switch (a->kind) {
-    case COLL_REDUCE_SCATTER: in_place = a->recv >= a->send && a->recv - a->send == offset; break;
-    case COLL_ALL_GATHER: in_place = a->send >= a->recv && a->send - a->recv == offset; break;
-    default: in_place = a->send == a->recv; break;
-    }
-    int overlap = a->send < a->recv + recv_bytes && a->recv < a->send + send_bytes;
-    if (overlap && !in_place) {
-        const char *rule = a->kind == COLL_REDUCE_SCATTER ? "recv_ptr == send_ptr + rank * recv bytes"
-                         : a->kind == COLL_ALL_GATHER ? "send_ptr == recv_ptr + rank * send bytes"
-                         : "send_ptr == recv_ptr";
-        PyErr_Format(PyExc_ValueError, "NcclComm.%s: the send buffer (%p, %zu bytes) and the recv "
-                     "buffer (%p, %zu bytes) overlap; the only overlap allowed is in place, %s",
-                     func, (void *)a->send, send_bytes, (void *)a->recv, recv_bytes, rule);
+    if (part->numel > SIZE_MAX / world || whole->numel != part->numel * world) {
+        PyErr_Format(PyExc_ValueError, "NcclComm.%s: %s has %zu elements but must have "
+                     "world_size (%d) times %s's %zu", method, whole_name, whole->numel,
+                     self->world_size, part_name, part->numel);
         return -1;
     }
     return 0;
 }
 
-/* Converts the arguments every collective shares; NULL slots are unused. */
-static int collective_args(NcclComm *self, coll_args *a, PyObject *send, PyObject *recv,
-                           PyObject *count, const char *count_name, PyObject *dtype, PyObject *op,
-                           PyObject *root, PyObject *stream)
+/* In place is the one overlap NCCL allows: send == recv for all_reduce and
+ * broadcast, recv == send + rank * chunk for reduce_scatter, send == recv +
+ * rank * chunk for all_gather; any other overlap reads values the
+ * collective is writing. */
+static int check_overlap(const NcclComm *self, const coll_args *a, const rlhfz_array *send,
+                         const rlhfz_array *recv)
+{
+    size_t itemsize = rlhfz_dtype_size(recv->dtype);
+    uintptr_t s0 = (uintptr_t)send->data, s1 = s0 + send->numel * itemsize;
+    uintptr_t r0 = (uintptr_t)recv->data, r1 = r0 + recv->numel * itemsize;
+    if (send->numel == 0 || recv->numel == 0 || s1 <= r0 || r1 <= s0)
+        return 0;
+    size_t offset = (size_t)self->rank * a->count * itemsize;
+    int in_place;
+    const char *rule;
+    switch (a->kind) {
+    case COLL_REDUCE_SCATTER:
+        in_place = r0 >= s0 && r0 - s0 == offset;
+        rule = "recv must be this rank's part of send (send's address + rank * recv's bytes)";
+        break;
+    case COLL_ALL_GATHER:
+        in_place = s0 >= r0 && s0 - r0 == offset;
+        rule = "send must be this rank's part of recv (recv's address + rank * send's bytes)";
+        break;
+    default:
+        in_place = s0 == r0;
+        rule = "send and recv must be the same memory";
+        break;
+    }
+    if (!in_place) {
+        PyErr_Format(PyExc_ValueError, "NcclComm.%s: send (%p, %zu bytes) and recv (%p, %zu "
+                     "bytes) overlap; the only overlap allowed is in place: %s", a->method,
+                     (void *)s0, (size_t)(s1 - s0), (void *)r0, (size_t)(r1 - r0), rule);
+        return -1;
+    }
+    return 0;
+}
+
+/* Borrows recv (written) and send (read) as CUDA arrays and checks them
+ * against each other and the communicator; fills a's buffers, dtype and
+ * count. a->kind, root and stream are set. send may be None only where it is
+ * not read: a broadcast on a rank other than the root (recv stands in for
+ * it). On failure the caller still releases b. */
+static int borrow_buffers(NcclComm *self, PyObject *module, rlhfz_borrowed *b, coll_args *a,
+                          PyObject *send_obj, PyObject *recv_obj)
+{
+    int reads_send = a->kind != COLL_BROADCAST || a->root == self->rank;
+    rlhfz_array *recv = rlhfz_borrow(module, b, recv_obj, "recv", 1, RLHFZ_PLACE_CUDA, a->stream);
+    if (recv == NULL)
+        return -1;
+    rlhfz_array *send = NULL;
+    if (send_obj == Py_None && reads_send) {
+        if (a->kind == COLL_BROADCAST)
+            PyErr_Format(PyExc_TypeError, "NcclComm.broadcast: send is None, but this rank (%d) "
+                         "is the root: its send is what every rank receives", self->rank);
+        else
+            PyErr_Format(PyExc_TypeError, "NcclComm.%s: send must be an array, not None",
+                         a->method);
+        return -1;
+    }
+    if (send_obj != Py_None &&
+        (send = rlhfz_borrow(module, b, send_obj, "send", 0, RLHFZ_PLACE_CUDA, a->stream)) == NULL)
+        return -1;
+    if (check_on_device(self, recv, "recv") < 0 ||
+        (send != NULL && (check_on_device(self, send, "send") < 0 ||
+                          rlhfz_check_dtype(send, "send", recv->dtype) < 0)))
+        return -1;
+    switch (a->kind) {
+    case COLL_REDUCE_SCATTER:
+        if (check_world_parts(self, a->method, send, "send", recv, "recv") < 0)
+            return -1;
+        a->count = recv->numel;
+        break;
+    case COLL_ALL_GATHER:
+        if (check_world_parts(self, a->method, recv, "recv", send, "send") < 0)
+            return -1;
+        a->count = send->numel;
+        break;
+    default:
+        if (send != NULL && rlhfz_check_numel(send, "send", recv->numel, "recv") < 0)
+            return -1;
+        a->count = recv->numel;
+        break;
+    }
+    if (reads_send && check_overlap(self, a, send, recv) < 0)
+        return -1;
+    a->send = send != NULL ? send->data : recv->data;
+    a->recv = recv->data;
+    a->dtype = nccl_dtype(recv->dtype);
+    return 0;
+}
+
+/* Parses op, root and stream (scalars first: the stream goes to the
+ * producers of the arrays), then borrows and checks the arrays. */
+static int collective_args(NcclComm *self, PyObject *module, rlhfz_borrowed *b, coll_args *a,
+                           PyObject *send, PyObject *recv, PyObject *op, PyObject *root,
+                           PyObject *stream)
 {
     char func[64];
     snprintf(func, sizeof(func), "NcclComm.%s", a->method);
-    size_t itemsize = 0;
-    if (arg_address(send, func, "send_ptr", &a->send) < 0 ||
-        arg_address(recv, func, "recv_ptr", &a->recv) < 0 ||
-        arg_count(count, func, count_name, &a->count) < 0 ||
-        arg_dtype(dtype, &a->dtype, &itemsize) < 0 ||
-        (op != NULL && arg_op(op, func, &a->op) < 0) ||
-        arg_address(stream, func, "stream", &a->stream) < 0)
+    if ((op != NULL && arg_op(op, func, &a->op) < 0) || rlhfz_arg_stream(stream, &a->stream) < 0)
         return -1;
     if (root != NULL) {
         int64_t value;
@@ -813,110 +507,156 @@ static int collective_args(NcclComm *self, coll_args *a, PyObject *send, PyObjec
         }
         a->root = (int)value;
     }
-    return check_buffers(self, a, itemsize);
+    return borrow_buffers(self, module, b, a, send, recv);
 }
 
-static PyObject *run_collective(NcclComm *self, const coll_args *a)
+/* The NCCL call itself; runs without the GIL. */
+static ncclResult_t call_nccl(const rlhfz_nccl_library *lib, ncclComm_t comm, const coll_args *a)
 {
+    switch (a->kind) {
+    case COLL_ALL_REDUCE:
+        return lib->AllReduce(a->send, a->recv, a->count, a->dtype, a->op, comm, a->stream);
+    case COLL_REDUCE_SCATTER:
+        return lib->ReduceScatter(a->send, a->recv, a->count, a->dtype, a->op, comm, a->stream);
+    case COLL_ALL_GATHER:
+        return lib->AllGather(a->send, a->recv, a->count, a->dtype, comm, a->stream);
+    case COLL_BROADCAST:
+        return lib->Broadcast(a->send, a->recv, a->count, a->dtype, a->root, comm, a->stream);
+    }
+    return ncclInvalidArgument;
+}
+
+/* Queues the collective on a->stream with the GIL released, then keeps the
+ * DLPack borrows of b behind an event recorded after it (rlhfz views need no
+ * keeping: a view holds its Buffer, and freeing device memory waits for the
+ * device). Releases b on every path. */
+static PyObject *run_collective(NcclComm *self, rlhfz_state *state, const coll_args *a,
+                                rlhfz_borrowed *b)
+{
+    char func[64];
+    snprintf(func, sizeof(func), "NcclComm.%s", a->method);
     if (require_alive(self, a->method) < 0)
-        return NULL;
+        goto refused;
     if (self->collective_in_flight) {
         PyErr_Format(PyExc_RuntimeError, "NcclComm.%s: another thread is inside a collective on "
                      "this communicator; NCCL communicators must not be used from two threads at "
                      "once", a->method);
-        return NULL;
+        goto refused;
     }
+#ifndef RLHFZ_WITH_CUDA
+    /* Without the CUDA runtime there is no event to keep the borrows behind,
+     * and nothing to tell when NCCL is done with them. */
+    rlhfz_require_cuda(func);
+    goto refused;
+#else
+    rlhfz_inflight *inflight = state->inflight;
+    rlhfz_inflight_sweep(inflight);
+    int keep = rlhfz_inflight_needed(b);
+    void *event = keep ? rlhfz_inflight_spare_event(inflight, self->device) : NULL;
     const rlhfz_nccl_library *lib = self->lib;
     ncclComm_t comm = self->comm;
-    const void *send = (const void *)a->send;
-    void *recv = (void *)a->recv;
-    void *stream = (void *)a->stream;
     ncclResult_t result = ncclSuccess;
-    char what[160];
+    rlhfz_status device_status = RLHFZ_OK;
+    int kept = 0;                /* the borrows wait behind `event` */
     self->collective_in_flight = 1;
     Py_BEGIN_ALLOW_THREADS
-    switch (a->kind) {
-    case COLL_ALL_REDUCE:
-        result = lib->AllReduce(send, recv, a->count, a->dtype, a->op, comm, stream);
-        break;
-    case COLL_REDUCE_SCATTER:
-        result = lib->ReduceScatter(send, recv, a->count, a->dtype, a->op, comm, stream);
-        break;
-    case COLL_ALL_GATHER:
-        result = lib->AllGather(send, recv, a->count, a->dtype, comm, stream);
-        break;
-    case COLL_BROADCAST:
-        result = lib->Broadcast(send, recv, a->count, a->dtype, a->root, comm, stream);
-        break;
+    int previous = self->device;
+    /* The event is made and recorded on the communicator's device (NCCL sets
+     * the device for its own call and puts the caller's back). */
+    if (keep)
+        device_status = rlhfz_device_enter(self->device, &previous);
+    if (device_status == RLHFZ_OK) {
+        result = call_nccl(lib, comm, a);
+        if (result == ncclSuccess && keep)
+            kept = rlhfz_inflight_fence(&event, a->stream);
+        if (keep)
+            device_status = rlhfz_device_leave(self->device, previous, device_status);
     }
     Py_END_ALLOW_THREADS
     self->collective_in_flight = 0;
-    snprintf(what, sizeof(what), "%s (NcclComm.%s, rank %d of %d; the communicator is aborted)",
-             a->nccl_name, a->method, self->rank, self->world_size);
-    RLHFZ_NCCL_CHECK(lib, result, what);
-    Py_RETURN_NONE;
-error:
-    /* Another thread may have aborted it meanwhile; then this does nothing. */
-    comm_abort_after_error(self, a->nccl_name, result);
+
+    rlhfz_inflight_settle(inflight, b, event, self->device, kept);
+    /* The errors are set here rather than through RLHFZ_NCCL_CHECK's goto:
+     * the borrows go on every path, after the exception is set. */
+    PyObject *out = NULL;
+    if (result != ncclSuccess) {
+        char what[160];
+        snprintf(what, sizeof(what), "%s (NcclComm.%s, rank %d of %d; the communicator is aborted)",
+                 a->nccl_name, a->method, self->rank, self->world_size);
+        rlhfz_nccl_set_error(lib, result, what, __FILE__, __LINE__);
+        /* Another thread may have aborted it meanwhile; then this does nothing. */
+        comm_abort_after_error(self, a->nccl_name, result);
+    } else if (device_status != RLHFZ_OK) {
+        rlhfz_raise_cuda(func);
+    } else {
+        out = Py_NewRef(Py_None);
+    }
+    rlhfz_borrowed_release(b);
+    return out;
+#endif
+refused:
+    rlhfz_borrowed_release(b);
     return NULL;
+}
+
+/* The method bodies: bind the arguments, borrow and check, run. */
+static PyObject *collective(NcclComm *self, coll_args *a, PyObject *send, PyObject *recv,
+                            PyObject *op, PyObject *root, PyObject *stream)
+{
+    PyObject *module = PyType_GetModule(Py_TYPE(self));
+    if (module == NULL)
+        return NULL;
+    rlhfz_borrowed b = {.count = 0};
+    if (collective_args(self, module, &b, a, send, recv, op, root, stream) < 0) {
+        rlhfz_borrowed_release(&b);
+        return NULL;
+    }
+    return run_collective(self, rlhfz_get_state(module), a, &b);
 }
 
 static PyObject *NcclComm_all_reduce(NcclComm *self, PyObject *const *args, Py_ssize_t nargs,
                                      PyObject *kwnames)
 {
-    static const char *const names[] = {"send_ptr", "recv_ptr", "count", "dtype", "op", "stream", NULL};
-    PyObject *slots[6];
-    if (rlhfz_parse_args("all_reduce", args, nargs, kwnames, names, 6, 6, slots) < 0)
+    static const char *const names[] = {"send", "recv", "op", "stream", NULL};
+    PyObject *slots[4];
+    if (rlhfz_parse_args("all_reduce", args, nargs, kwnames, names, 3, 3, slots) < 0)
         return NULL;
     coll_args a = {.kind = COLL_ALL_REDUCE, .method = "all_reduce", .nccl_name = "ncclAllReduce"};
-    if (collective_args(self, &a, slots[0], slots[1], slots[2], "count", slots[3], slots[4], NULL,
-                        slots[5]) < 0)
-        return NULL;
-    return run_collective(self, &a);
+    return collective(self, &a, slots[0], slots[1], slots[2], NULL, slots[3]);
 }
 
 static PyObject *NcclComm_reduce_scatter(NcclComm *self, PyObject *const *args, Py_ssize_t nargs,
                                          PyObject *kwnames)
 {
-    static const char *const names[] = {"send_ptr", "recv_ptr", "recv_count", "dtype", "op", "stream",
-                                        NULL};
-    PyObject *slots[6];
-    if (rlhfz_parse_args("reduce_scatter", args, nargs, kwnames, names, 6, 6, slots) < 0)
+    static const char *const names[] = {"send", "recv", "op", "stream", NULL};
+    PyObject *slots[4];
+    if (rlhfz_parse_args("reduce_scatter", args, nargs, kwnames, names, 3, 3, slots) < 0)
         return NULL;
     coll_args a = {.kind = COLL_REDUCE_SCATTER, .method = "reduce_scatter",
                    .nccl_name = "ncclReduceScatter"};
-    if (collective_args(self, &a, slots[0], slots[1], slots[2], "recv_count", slots[3], slots[4],
-                        NULL, slots[5]) < 0)
-        return NULL;
-    return run_collective(self, &a);
+    return collective(self, &a, slots[0], slots[1], slots[2], NULL, slots[3]);
 }
 
 static PyObject *NcclComm_all_gather(NcclComm *self, PyObject *const *args, Py_ssize_t nargs,
                                      PyObject *kwnames)
 {
-    static const char *const names[] = {"send_ptr", "recv_ptr", "send_count", "dtype", "stream", NULL};
-    PyObject *slots[5];
-    if (rlhfz_parse_args("all_gather", args, nargs, kwnames, names, 5, 5, slots) < 0)
+    static const char *const names[] = {"send", "recv", "stream", NULL};
+    PyObject *slots[3];
+    if (rlhfz_parse_args("all_gather", args, nargs, kwnames, names, 2, 2, slots) < 0)
         return NULL;
     coll_args a = {.kind = COLL_ALL_GATHER, .method = "all_gather", .nccl_name = "ncclAllGather"};
-    if (collective_args(self, &a, slots[0], slots[1], slots[2], "send_count", slots[3], NULL, NULL,
-                        slots[4]) < 0)
-        return NULL;
-    return run_collective(self, &a);
+    return collective(self, &a, slots[0], slots[1], NULL, NULL, slots[2]);
 }
 
 static PyObject *NcclComm_broadcast(NcclComm *self, PyObject *const *args, Py_ssize_t nargs,
                                     PyObject *kwnames)
 {
-    static const char *const names[] = {"send_ptr", "recv_ptr", "count", "dtype", "root", "stream", NULL};
-    PyObject *slots[6];
-    if (rlhfz_parse_args("broadcast", args, nargs, kwnames, names, 6, 6, slots) < 0)
+    static const char *const names[] = {"send", "recv", "root", "stream", NULL};
+    PyObject *slots[4];
+    if (rlhfz_parse_args("broadcast", args, nargs, kwnames, names, 3, 3, slots) < 0)
         return NULL;
     coll_args a = {.kind = COLL_BROADCAST, .method = "broadcast", .nccl_name = "ncclBroadcast"};
-    if (collective_args(self, &a, slots[0], slots[1], slots[2], "count", slots[3], NULL, slots[4],
-                        slots[5]) < 0)
-        return NULL;
-    return run_collective(self, &a);
+    return collective(self, &a, slots[0], slots[1], NULL, slots[2], slots[3]);
 }
 
 /* ---- health and teardown ------------------------------------------------------------------ */
@@ -1006,22 +746,25 @@ static PyObject *NcclComm_repr(NcclComm *self)
 
 static PyMethodDef NcclComm_methods[] = {
     {"all_reduce", (PyCFunction)(void (*)(void))NcclComm_all_reduce, METH_FASTCALL | METH_KEYWORDS,
-     "all_reduce(send_ptr, recv_ptr, count, dtype, op, stream)\n\n"
-     "recv = op over ranks of send, count elements each; in place if send_ptr == recv_ptr.\n"
-     "dtype: 'float32', 'bfloat16' or 'float16'; op: 'sum', 'avg', 'max' or 'min'; stream:\n"
-     "a cudaStream_t as an int (0: the legacy default stream). Queued on stream, not waited for."},
+     "all_reduce(send, recv, op, *, stream=None)\n\n"
+     "recv = op over ranks of send. send and recv: rlhfz device views or CUDA tensors\n"
+     "(DLPack) on the communicator's device, of one dtype (float32, bfloat16 or float16)\n"
+     "and size; in place if they are the same memory. op: 'sum', 'avg', 'max' or 'min'.\n"
+     "stream: None (the legacy default stream), a handle, or a stream object. Queued on\n"
+     "stream, not waited for; a borrowed tensor is kept until the collective is done."},
     {"reduce_scatter", (PyCFunction)(void (*)(void))NcclComm_reduce_scatter,
      METH_FASTCALL | METH_KEYWORDS,
-     "reduce_scatter(send_ptr, recv_ptr, recv_count, dtype, op, stream)\n\n"
-     "send holds world_size * recv_count elements; recv gets this rank's reduced part.\n"
-     "In place: recv_ptr == send_ptr + rank * recv_count * itemsize."},
+     "reduce_scatter(send, recv, op, *, stream=None)\n\n"
+     "send holds world_size times recv's elements; recv gets this rank's reduced part.\n"
+     "In place: recv is this rank's part of send."},
     {"all_gather", (PyCFunction)(void (*)(void))NcclComm_all_gather, METH_FASTCALL | METH_KEYWORDS,
-     "all_gather(send_ptr, recv_ptr, send_count, dtype, stream)\n\n"
-     "recv gets every rank's send_count elements, in rank order.\n"
-     "In place: send_ptr == recv_ptr + rank * send_count * itemsize."},
+     "all_gather(send, recv, *, stream=None)\n\n"
+     "recv (world_size times send's elements) gets every rank's send, in rank order.\n"
+     "In place: send is this rank's part of recv."},
     {"broadcast", (PyCFunction)(void (*)(void))NcclComm_broadcast, METH_FASTCALL | METH_KEYWORDS,
-     "broadcast(send_ptr, recv_ptr, count, dtype, root, stream)\n\n"
-     "recv = root's send on every rank; send_ptr is read only on root."},
+     "broadcast(send, recv, root, *, stream=None)\n\n"
+     "recv = root's send on every rank. send is read only on root; elsewhere it may be\n"
+     "None (if given, it is checked as on the root)."},
     {"check", (PyCFunction)NcclComm_check, METH_NOARGS,
      "check(): raise RuntimeError, after aborting the communicator, if NCCL reports an\n"
      "asynchronous error (ncclCommGetAsyncError). Never blocks."},
@@ -1051,7 +794,8 @@ static PyGetSetDef NcclComm_getset[] = {
 
 static PyType_Slot NcclComm_slots[] = {
     {Py_tp_doc, "NcclComm(unique_id, world_size, rank, device)\n\n"
-                "An NCCL communicator over raw device buffers. The caller makes `device`\n"
+                "An NCCL communicator over rlhfz borrows (device views, CUDA tensors through\n"
+                "DLPack), checked as the kernels check theirs. The caller makes `device`\n"
                 "current first (torch.cuda.set_device); construction blocks until all\n"
                 "world_size ranks have joined with the same unique_id (nccl_unique_id()).\n"
                 "Call destroy() (or abort()) explicitly: a live communicator is leaked, with a\n"
@@ -1074,31 +818,12 @@ static PyType_Spec NcclComm_spec = {
 
 /* ---- registration ------------------------------------------------------------------------- */
 
-int rlhfz_nccl_add_types(PyObject *module)
+int rlhfz_nccl_comm_add_type(PyObject *module)
 {
-    rlhfz_nccl_library *lib = calloc(1, sizeof(*lib));
-    if (lib == NULL) {
-        PyErr_NoMemory();
+    PyObject *type = PyType_FromModuleAndSpec(module, &NcclComm_spec, NULL);
+    if (type == NULL)
         return -1;
-    }
-    PyObject *capsule = PyCapsule_New(lib, LIBRARY_CAPSULE, library_capsule_destructor);
-    if (capsule == NULL) {
-        free(lib);
-        return -1;
-    }
-    PyObject *type = NULL;
-    if (PyModule_AddObjectRef(module, LIBRARY_ATTR, capsule) < 0)
-        goto error;
-    type = PyType_FromModuleAndSpec(module, &NcclComm_spec, NULL);
-    if (type == NULL || PyModule_AddType(module, (PyTypeObject *)type) < 0)
-        goto error;
-    if (PyModule_AddFunctions(module, nccl_methods) < 0)
-        goto error;
+    int rc = PyModule_AddType(module, (PyTypeObject *)type);
     Py_DECREF(type);
-    Py_DECREF(capsule);
-    return 0;
-error:
-    Py_XDECREF(type);
-    Py_DECREF(capsule);
-    return -1;
+    return rc;
 }

@@ -74,6 +74,7 @@ typedef struct {
     PyObject *keepalive;         /* owns `data` for as long as the borrow lasts */
 } rlhfz_array;
 
+/* module_state.c */
 rlhfz_state *rlhfz_get_state(PyObject *module);
 rlhfz_state *rlhfz_state_from_type(PyTypeObject *type);
 
@@ -140,10 +141,13 @@ void rlhfz_array_release(rlhfz_array *array);
 int rlhfz_buffer_import_dlpack(rlhfz_Buffer *buffer, PyObject *obj);
 PyObject *rlhfz_describe_dlpack(PyObject *module, PyObject *obj);
 
-/* dtype names: "float32", "bfloat16", "float16" */
+/* dtypes.c: "float32", "bfloat16", "float16" (or torch's str of them), the
+ * kernels' enum and DLPack's types. from_object raises TypeError; from_dl
+ * returns -1 without an exception (the caller names the argument). */
 int rlhfz_dtype_from_object(PyObject *obj, rlhfz_dtype *out);
 const char *rlhfz_dtype_name(rlhfz_dtype dtype);
 DLDataType rlhfz_dtype_to_dl(rlhfz_dtype dtype);
+int rlhfz_dtype_from_dl(DLDataType dl, rlhfz_dtype *out);
 
 /* args.c: METH_FASTCALL | METH_KEYWORDS argument binding, public C API only.
  * names is NULL-terminated; at most max_positional may come by position and
@@ -153,6 +157,10 @@ int rlhfz_parse_args(const char *func, PyObject *const *args, Py_ssize_t nargs,
                      int max_positional, int nrequired, PyObject **slots);
 int rlhfz_arg_double(PyObject *obj, const char *name, double *out);
 int rlhfz_arg_int64(PyObject *obj, const char *name, int64_t *out);
+/* A stream argument: None (NULL slot too), an int handle, or an object with a
+ * cuda_stream (torch) or handle (rlhfz's CudaStream) attribute. 0 and 1 give
+ * NULL, the legacy default stream; 2 is the per-thread default stream. */
+int rlhfz_arg_stream(PyObject *obj, void **stream);
 
 /* op_args.c: what the kernel entry points share. */
 #define RLHFZ_MAX_BORROWED 6
@@ -186,6 +194,18 @@ int rlhfz_inflight_needed(const rlhfz_borrowed *b);
 void *rlhfz_inflight_spare_event(rlhfz_inflight *inflight, int device);
 /* Moves b's DLPack borrows behind the recorded event; -1 with an exception. */
 int rlhfz_inflight_keep(rlhfz_inflight *inflight, rlhfz_borrowed *b, void *event, int device);
+#ifdef RLHFZ_WITH_CUDA
+/* After work queued on `stream` that b's borrows must outlive: records
+ * *event (made if NULL) behind it, or, with no event to be had, waits for
+ * the stream. Returns whether the borrows may wait behind the event. No
+ * Python: call it with the GIL released, on the work's device. */
+int rlhfz_inflight_fence(void **event, void *stream);
+/* Then, with the GIL held: b's borrows wait behind the event (kept), or
+ * with no memory to keep them the event is waited for here; an event
+ * nothing waits behind is destroyed. */
+void rlhfz_inflight_settle(rlhfz_inflight *inflight, rlhfz_borrowed *b, void *event, int device,
+                           int kept);
+#endif
 /* Lets go of the borrows whose events are done. */
 void rlhfz_inflight_sweep(rlhfz_inflight *inflight);
 
@@ -196,8 +216,6 @@ int rlhfz_raise_status(rlhfz_status status, const char *what);
 int rlhfz_adamw_hparams_from_args(const char *func, PyObject *const *slots, rlhfz_adamw_hparams *hp);
 /* RuntimeError saying why, when no CUDA device is usable (memory_tiers.c). */
 int rlhfz_require_cuda(const char *what);
-/* None, an int handle, or an object with a cuda_stream / handle attribute. */
-int rlhfz_stream_from_object(PyObject *obj, void **stream);
 
 /* cpu_ops.c, cuda_ops.c, cuda_simulated.c */
 extern PyMethodDef rlhfz_cpu_ops_methods[];

@@ -1,20 +1,18 @@
-/* adamw_cpu.c: the CPU entry points, and the scalar level they fall back to.
+/* adamw_cpu.c: the CPU entry points: the dispatcher over the SIMD levels.
  *
  * Each entry point checks its arguments, picks a SIMD level, and runs that
  * level's chunk function over the thread pool in ranges of whole 64-element
- * blocks (cache-line aligned when the arrays are). The scalar chunk
- * functions here state the per-element math plainly; the SIMD levels call
- * them for their tails, so every level computes the same bits.
+ * blocks (cache-line aligned when the arrays are). The chunk functions live
+ * one file per level: cpu_chunks_scalar.c states the per-element math
+ * plainly, and adamw_avx2.c / adamw_avx512.c call it for their tails.
  */
 #include "rlhfz_kernels.h"
 
-#include <math.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "cpu_kernels_simd.h"
-#include "half_convert.h"
 #include "thread_pool.h"
 
 /* The chunk function of `op` at `level` (a level resolved, never BEST). */
@@ -29,100 +27,6 @@
 
 /* Elements per pool block: 64 fp32 are 4 cache lines, 64 16-bit values 2. */
 #define RLHFZ_GRAIN 64
-
-/* ---- scalar element access ------------------------------------------------ */
-
-static inline float load_f32(const void *x, rlhfz_dtype dtype, size_t i)
-{
-    switch (dtype) {
-    case RLHFZ_DTYPE_BF16:
-        return rlhfz_bf16_to_f32(((const uint16_t *)x)[i]);
-    case RLHFZ_DTYPE_F16:
-        return rlhfz_f16_to_f32(((const uint16_t *)x)[i]);
-    default:
-        return ((const float *)x)[i];
-    }
-}
-
-static inline void store_f32(void *x, rlhfz_dtype dtype, size_t i, float value)
-{
-    switch (dtype) {
-    case RLHFZ_DTYPE_BF16:
-        ((uint16_t *)x)[i] = rlhfz_f32_to_bf16(value);
-        break;
-    case RLHFZ_DTYPE_F16:
-        ((uint16_t *)x)[i] = rlhfz_f32_to_f16(value);
-        break;
-    default:
-        ((float *)x)[i] = value;
-        break;
-    }
-}
-
-/* ---- scalar chunk functions ----------------------------------------------- */
-
-void rlhfz_adamw_chunk_scalar(const rlhfz_adamw_shard *shard, const rlhfz_adamw_consts *c,
-                              size_t begin, size_t end)
-{
-    for (size_t i = begin; i < end; i++) {
-        float g = load_f32(shard->grad, shard->grad_dtype, i) * c->grad_scale;
-
-        /* decoupled weight decay */
-        float p = shard->master[i] * c->decay;
-
-        /* update the first moment: a lerp toward g */
-        float m = shard->exp_avg[i];
-        m = m + c->beta1_weight * (g - m);
-
-        /* update the second moment */
-        float v = shard->exp_avg_sq[i] * c->beta2;
-        v = v + c->beta2_weight * g * g;
-
-        /* the bias-corrected step */
-        float denom = sqrtf(v) / c->bias_correction2_sqrt + c->eps;
-        p = p - c->step_size * (m / denom);
-
-        shard->master[i] = p;
-        shard->exp_avg[i] = m;
-        shard->exp_avg_sq[i] = v;
-        if (shard->param_out)
-            store_f32(shard->param_out, shard->param_dtype, i, p);
-    }
-}
-
-double rlhfz_sumsq_chunk_scalar(const void *x, rlhfz_dtype dtype, size_t begin, size_t end)
-{
-    double sum = 0.0;
-    for (size_t i = begin; i < end; i++) {
-        double value = load_f32(x, dtype, i);
-        sum += value * value;
-    }
-    return sum;
-}
-
-void rlhfz_scale_chunk_scalar(void *x, rlhfz_dtype dtype, float scale, size_t begin, size_t end)
-{
-    for (size_t i = begin; i < end; i++)
-        store_f32(x, dtype, i, load_f32(x, dtype, i) * scale);
-}
-
-void rlhfz_cast_chunk_scalar(const void *src, rlhfz_dtype src_dtype, void *dst,
-                             rlhfz_dtype dst_dtype, size_t begin, size_t end)
-{
-    /* 16-bit to 16-bit goes through fp32 exactly, so it rounds once */
-    for (size_t i = begin; i < end; i++)
-        store_f32(dst, dst_dtype, i, load_f32(src, src_dtype, i));
-}
-
-void rlhfz_traffic_chunk_scalar(float *p, const float *g, float *m, float *v, size_t begin,
-                                size_t end)
-{
-    for (size_t i = begin; i < end; i++) {
-        p[i] += g[i];
-        m[i] += g[i];
-        v[i] += g[i];
-    }
-}
 
 /* ---- argument checks and level selection ---------------------------------- */
 

@@ -2,7 +2,7 @@
  *
  * Scalar and single-threaded, in the order of operations of
  * torch.optim.AdamW (fp32 throughout). Written separately from the scalar
- * level in adamw_cpu.c on purpose: the tests compare the two.
+ * level (cpu_chunks_scalar.c) on purpose: the tests compare the two.
  */
 #include "rlhfz_kernels.h"
 

@@ -1,7 +1,8 @@
 /* cpu_kernels_simd.h: the per-level chunk functions behind the CPU kernels
  * (internal).
  *
- * Each level (scalar, avx2, avx512) provides the same set; each function
+ * Each level (scalar, avx2, avx512) provides the same set, one file per
+ * level (cpu_chunks_scalar.c, adamw_avx2.c, adamw_avx512.c); each function
  * works on elements [begin, end) of flat arrays, and the dispatcher in
  * adamw_cpu.c hands them ranges from the thread pool. The SIMD levels finish
  * their ranges with the scalar functions, so the per-element math is stated
@@ -37,7 +38,7 @@ rlhfz_status rlhfz_adamw_check_args(const rlhfz_adamw_shard *shard,
                                     const rlhfz_adamw_hparams *hp);
 void rlhfz_adamw_consts_init(rlhfz_adamw_consts *c, const rlhfz_adamw_hparams *hp);
 
-/* ---- scalar ---- */
+/* ---- scalar (cpu_chunks_scalar.c) ---- */
 void rlhfz_adamw_chunk_scalar(const rlhfz_adamw_shard *shard, const rlhfz_adamw_consts *c,
                               size_t begin, size_t end);
 double rlhfz_sumsq_chunk_scalar(const void *x, rlhfz_dtype dtype, size_t begin, size_t end);

@@ -17,7 +17,7 @@ _LAZY = {
     "offload": ("rlhfz.migrate", "offload"),
     "reload": ("rlhfz.migrate", "reload"),
     "offloaded": ("rlhfz.migrate", "offloaded"),
-    "release_pinned": ("rlhfz.migrate", "release_pinned"),
+    "release_pinned": ("rlhfz.engine", "release_pinned"),
     "gather_for_generation": ("rlhfz.generation", "gather_for_generation"),
     "iter_full_params": ("rlhfz.generation", "iter_full_params"),
     "save_checkpoint": ("rlhfz.checkpoint", "save_checkpoint"),
@@ -42,7 +42,7 @@ def build_info() -> dict:
 def _nccl_info(cuda: bool) -> dict:
     """NCCL is available when libnccl.so.2 loads and a CUDA device is visible.
     Loading prefers a copy already in the process, so torch's is reused."""
-    from .nccl_library import load
+    from .comm.nccl_library import load
     try:
         path = load()
         version = _C.nccl_version()

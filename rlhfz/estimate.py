@@ -8,7 +8,7 @@ alignment unit per bucket) is left out.
 """
 from __future__ import annotations
 
-from .layout import stage2_bucket_bytes
+from .engine.layout import stage2_bucket_bytes
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 

@@ -16,6 +16,9 @@ optimizer is not at stage 3 across ranks it does nothing.
 iter_full_params(model, bucket_bytes) yields (name, whole tensor) for every
 param, gathering a few units at a time, for syncing weights into an
 inference engine without the whole model in memory at once.
+
+refuse_while_gathered(optimizer, action) guards what must not run while
+params are gathered: a checkpoint load, an offload.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ import torch
 _ATTRIBUTE = "_rlhfz_stage3"
 
 
-def _unwrap(model):
+def unwrap_model(model):
     """The module under DDP / accelerate wrappers (their .module)."""
     seen = 0
     while not hasattr(model, _ATTRIBUTE) and hasattr(model, "module") and seen < 8:
@@ -35,9 +38,21 @@ def _unwrap(model):
     return model
 
 
+
+
 def stage3_of(model):
     """The Stage3 hooks of a model's optimizer, or None (stages 0-2, one rank)."""
-    return getattr(_unwrap(model), _ATTRIBUTE, None)
+    return getattr(unwrap_model(model), _ATTRIBUTE, None)
+
+
+def refuse_while_gathered(optimizer, action: str) -> None:
+    """Raises RuntimeError while the optimizer's stage-3 params are gathered:
+    shards loaded or moved under gathered params (`action`: "load",
+    "offload") would disagree with the gathered copies."""
+    stage3 = getattr(optimizer, "stage3", None)
+    if stage3 is not None and (stage3.suspended or stage3.keep or stage3.gathered_bytes()):
+        raise RuntimeError("the model's params are gathered (a gather_for_generation context "
+                           f"is open, or a forward is running): {action} after it closes")
 
 
 def _check(enabled, budget_bytes) -> None:
@@ -83,7 +98,7 @@ def iter_full_params(model, bucket_bytes: int = 256 << 20):
     long as the caller holds it."""
     if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be an int > 0, not {bucket_bytes!r}")
-    inner = _unwrap(model)
+    inner = unwrap_model(model)
     names = {}
     for name, p in inner.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)

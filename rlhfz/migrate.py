@@ -1,8 +1,8 @@
 """Offload and reload: moving an optimizer's and a model's memory between tiers.
 
 A move allocates every target first, copies, then swaps the buffers and
-re-points every tensor in place (Bucket.rebind, or `t.data = view` for a
-module's own tensors): Parameters, grads and optimizer state keep their
+re-points every tensor in place (the bucket's storage registry, or
+`t.data = view` for a module's own tensors): Parameters, grads and optimizer state keep their
 identity, and the old memory is freed as soon as nothing references it.
 Anything that fails before the swap (no memory, an unwritable directory, a
 full disk) leaves every tensor where it was. A tensor someone still holds
@@ -16,20 +16,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import resource
 import warnings
 import weakref
 
 import torch
 
 from . import _C
-from .backends import backend_for, torch_view
-from .buckets import Bucket
+from .engine import REGIONS, PinnedPool, backend_for, host_buffer, torch_view
 
 KINDS = ("params", "grads", "optimizer")
-DEFAULT_PIN_FRACTION = 0.5     # of available RAM, and of RLIMIT_MEMLOCK when it is set
-# RLHFZ_PINNED_POOL=0: unpin at every reload instead of keeping the buffers (_Pinned)
-POOL_PINNED = os.environ.get("RLHFZ_PINNED_POOL", "1") != "0"
 
 
 def check_what(what) -> tuple[str, ...]:
@@ -54,109 +49,6 @@ def check_target(to: str, path) -> None:
         raise ValueError("path= is for to='disk'")
 
 
-def _available_ram() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
-def pin_budget() -> int:
-    """Bytes rlhfz pins at most under pin_memory="auto": a fraction of the
-    RAM available now, and of RLIMIT_MEMLOCK where that limit is set."""
-    budget = int(DEFAULT_PIN_FRACTION * _available_ram())
-    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    if soft != resource.RLIM_INFINITY:
-        budget = min(budget, int(DEFAULT_PIN_FRACTION * soft))
-    override = os.environ.get("RLHFZ_PIN_BUDGET_BYTES")
-    return int(override) if override else budget
-
-
-class _Pinned:
-    """The bytes rlhfz has pinned in this process (weakly held buffers), and
-    the pool of pinned buffers that a reload gave back.
-
-    Pinning and unpinning gigabytes takes seconds, and freeing pinned memory
-    synchronizes the device: an RLHF loop that sleeps and wakes the optimizer
-    every iteration would pay that each time. So reload() keeps the pinned
-    buffers it emptied, and the next offload of the same sizes takes them
-    again, once the event recorded after the copies that last read them is
-    done. The pool counts against the pin budget like any pinned buffer (an
-    offload it leaves no room for goes to pageable memory: unpinning would
-    wait for the device, which a non-blocking offload must not);
-    rlhfz.release_pinned() and the optimizer's close() empty it."""
-
-    buffers: "weakref.WeakSet" = weakref.WeakSet()
-    pool: dict[int, list[tuple]] = {}          # nbytes -> [(buffer, event or None)]
-    noticed = False
-
-    @classmethod
-    def in_use(cls) -> int:
-        return sum(b.nbytes for b in cls.buffers)
-
-    @classmethod
-    def take(cls, nbytes: int):
-        entries = cls.pool.get(nbytes, [])
-        for i, (buffer, event) in enumerate(entries):
-            if event is None or event.query():
-                del entries[i]
-                return buffer
-        return None
-
-    @classmethod
-    def give(cls, buffer, event) -> None:
-        if buffer.tier == "pinned" and buffer.exports == 0 and POOL_PINNED:
-            cls.pool.setdefault(buffer.nbytes, []).append((buffer, event))
-
-    @classmethod
-    def pooled(cls) -> int:
-        return sum(b.nbytes for entries in cls.pool.values() for b, _ in entries)
-
-    @classmethod
-    def release(cls) -> None:
-        """Unpins the pool (after the copies that last read it)."""
-        for entries in cls.pool.values():
-            for _, event in entries:
-                if event is not None:
-                    event.synchronize()
-        cls.pool.clear()
-
-    @classmethod
-    def notice(cls, text: str) -> None:
-        if not cls.noticed:
-            cls.noticed = True
-            warnings.warn(text, RuntimeWarning, stacklevel=4)
-
-
-def host_buffer(nbytes: int, pin_memory, zero: bool = False):
-    """Host memory for an offload (every byte is copied in, so not zeroed):
-    pinned while allowed, else pageable. Pinning never fails a run: when it
-    is refused, pageable memory is used."""
-    if pin_memory is False or not _C.build_info()["cuda"]:
-        return _C.Buffer(nbytes, zero=zero)
-    pooled = _Pinned.take(nbytes)
-    if pooled is not None:
-        if zero:
-            pooled.zero_()
-        return pooled
-    if pin_memory == "auto" and _Pinned.in_use() + nbytes > pin_budget():
-        _Pinned.notice(f"rlhfz: pinned host memory is at its budget ({pin_budget()} bytes; "
-                       f"RLHFZ_PIN_BUDGET_BYTES sets it): offloading to pageable memory")
-        return _C.Buffer(nbytes, zero=zero)
-    try:
-        buffer = _C.Buffer(nbytes, "pinned", zero=zero)
-    except MemoryError as error:
-        _Pinned.notice(f"rlhfz: pinning {nbytes} bytes failed ({error}): offloading to "
-                       f"pageable memory")
-        return _C.Buffer(nbytes, zero=zero)
-    _Pinned.buffers.add(buffer)
-    return buffer
-
-
 def _allocator(to: str, path, pin_memory):
     if to == "disk":
         return lambda nbytes: _C.Buffer(nbytes, "disk", path=os.fspath(path))
@@ -165,11 +57,6 @@ def _allocator(to: str, path, pin_memory):
 
 def _already_there(buffer, to: str) -> bool:
     return buffer.tier in ("host", "pinned") if to == "cpu" else buffer.tier == "disk"
-
-
-def release_pinned() -> None:
-    """Gives back the pinned host memory that reload() kept for the next offload."""
-    _Pinned.release()
 
 
 def _copy_all(pairs, backend, non_blocking: bool):
@@ -195,18 +82,7 @@ def _copy_all(pairs, backend, non_blocking: bool):
     return done
 
 
-def settle(opt) -> None:
-    """Waits for the copies a non-blocking move left in flight, before rlhfz
-    reads or writes the moved memory on the host (a step, a state dict, a
-    checkpoint)."""
-    done = getattr(opt, "_moves_in_flight", None)
-    if done is not None:
-        done.synchronize()
-        opt._moves_in_flight = None
-        opt.backend.reap()
-
-
-def _report_held(olds, opt) -> None:
+def _report_held(olds, engine) -> None:
     """Old buffers that someone outside still holds a view of."""
     held = [(kind, buffer) for kind, buffer in olds if buffer.exports > 0]
     if not held:
@@ -217,45 +93,40 @@ def _report_held(olds, opt) -> None:
                   f"outside the optimizer still views the old memory (e.g. a saved "
                   f"p.detach() or a slice of p.data); it is freed when that tensor goes",
                   RuntimeWarning, stacklevel=3)
-    if opt is not None:
-        for kind, buffer in held:
-            opt._held_elsewhere.append((kind, weakref.ref(buffer)))
+    for kind, buffer in held:
+        engine.held_elsewhere.append((kind, weakref.ref(buffer)))
 
 
-def move_buckets(opt, kinds, allocate, to_home: bool = False, to: str = "cpu",
+def move_buckets(engine, kinds, allocate, to_home: bool = False, to: str = "cpu",
                  non_blocking: bool = False) -> None:
     """Moves the kinds' buffers of every bucket: allocate all, copy all, then
     swap and re-point. On any failure before the swap, nothing has moved.
-    allocate(attr, nbytes) makes a target. to_home: back where each buffer
+    allocate(region, nbytes) makes a target. to_home: back where each buffer
     trains (the backend's tier; host memory for offload="cpu"'s host part)."""
     moves = []
-    for bucket in opt._buckets:
-        for kind in kinds:
-            for attr in Bucket.BUFFERS[kind]:
-                buffer = getattr(bucket, attr)
-                if buffer is None:
+    for bucket in engine.buckets:
+        for region, kind, buffer in bucket.storage.movable(kinds):
+            if to_home:
+                home = "host" if REGIONS[region].host else engine.backend.tier
+                if buffer.tier == home or (home == "host" and buffer.tier == "pinned"):
                     continue
-                if to_home:
-                    home = "host" if attr in Bucket._HOST_PART else opt.backend.tier
-                    if buffer.tier == home or (home == "host" and buffer.tier == "pinned"):
-                        continue
-                elif _already_there(buffer, to):
-                    continue
-                moves.append((bucket, attr, kind, buffer))
+            elif _already_there(buffer, to):
+                continue
+            moves.append((bucket, region, kind, buffer))
     if not moves:
         return
-    backend = opt.backend
+    backend = engine.backend
     if backend.tier == "device":
         backend.reap()
-    fresh = [allocate(attr, old.nbytes) for _, attr, _, old in moves]   # may raise: nothing moved
+    fresh = [allocate(region, old.nbytes) for _, region, _, old in moves]   # may raise
     pairs = [(old, new) for (_, _, _, old), new in zip(moves, fresh)]
     # a file's pages are dropped from RAM right after the swap: its copy must be done
     to_disk = any(new.tier == "disk" for _, new in pairs)
     done = _copy_all(pairs, backend, non_blocking and not to_disk)
-    opt._moves_in_flight = done if non_blocking and not to_disk else None
+    engine.moves_in_flight = done if non_blocking and not to_disk else None
     touched = []
-    for (bucket, attr, _, _), new in zip(moves, fresh):
-        setattr(bucket, attr, new)
+    for (bucket, region, _, _), new in zip(moves, fresh):
+        bucket.storage.replace(region, new)
         if new.tier == "disk":
             new.release_pages()     # the file holds it now, not this process's RAM
         if bucket not in touched:
@@ -264,59 +135,51 @@ def move_buckets(opt, kinds, allocate, to_home: bool = False, to: str = "cpu",
         bucket.rebind()
     olds = [(kind, old) for _, _, kind, old in moves]
     del moves, fresh
-    _report_held(olds, opt)
+    _report_held(olds, engine)
     if done is not None:
         for _, old in olds:
-            _Pinned.give(old, done)
+            PinnedPool.give(old, done)
         # copies in flight still read the old buffers
         backend.release_after([old for _, old in olds], done)
 
 
-def _refuse_while_gathered(opt) -> None:
-    stage3 = getattr(opt, "stage3", None)
-    if stage3 is not None and (stage3.suspended or stage3.keep or stage3.gathered_bytes()):
-        raise RuntimeError("the model's params are gathered (a gather_for_generation context is "
-                           "open, or a forward is running): offload after it closes")
-
-
-def offload_optimizer(opt, what=KINDS, to="cpu", path=None, non_blocking=False) -> None:
+def offload_engine(engine, what=KINDS, to="cpu", path=None, non_blocking=False,
+                   pin_memory="auto") -> None:
     kinds = check_what(what)
     check_target(to, path)
-    _refuse_while_gathered(opt)
-    if opt.reducer is not None:
-        opt.reducer.flush()       # no collective may still read or write grads
-    allocate = _allocator(to, path, opt.pin_memory)
-    move_buckets(opt, kinds, lambda attr, nbytes: allocate(nbytes), to=to,
+    engine.flush_grads()       # no collective may still read or write grads
+    allocate = _allocator(to, path, pin_memory)
+    move_buckets(engine, kinds, lambda region, nbytes: allocate(nbytes), to=to,
                  non_blocking=non_blocking)
-    if "grads" in kinds and opt.reducer is not None:
-        opt.reducer.release()
-    opt._offloaded.update(kinds)
-    if opt.backend.tier == "device":
+    if "grads" in kinds and engine.reducer is not None:
+        engine.reducer.release()
+    engine.offloaded.update(kinds)
+    if engine.backend.tier == "device":
         # What torch's caching allocator holds goes back too, for whatever
         # runs while the optimizer is away (an inference engine, say).
-        opt.backend.empty_cache()
+        engine.backend.empty_cache()
 
 
-def reload_optimizer(opt, non_blocking=False) -> None:
-    def allocate(attr, nbytes):
-        if attr in Bucket._HOST_PART:
-            return host_buffer(nbytes, opt.pin_memory)
-        return opt.backend.buffer(nbytes, zero=False)
+def reload_engine(engine, non_blocking=False, pin_memory="auto") -> None:
+    def allocate(region, nbytes):
+        if REGIONS[region].host:
+            return host_buffer(nbytes, pin_memory)
+        return engine.backend.buffer(nbytes, zero=False)
 
     def move():
-        move_buckets(opt, KINDS, allocate, to_home=True, non_blocking=non_blocking)
+        move_buckets(engine, KINDS, allocate, to_home=True, non_blocking=non_blocking)
     try:
         move()
     except MemoryError:
-        if opt.backend.tier != "device":
+        if engine.backend.tier != "device":
             raise
         # Free device memory may sit in torch's cache (activations, gathers
         # since the offload): give it back and try once more. Nothing moved.
-        opt.backend.empty_cache()
+        engine.backend.empty_cache()
         move()
-    if opt.reducer is not None:
-        opt.reducer.reserve()
-    opt._offloaded.clear()
+    if engine.reducer is not None:
+        engine.reducer.reserve()
+    engine.offloaded.clear()
 
 
 # ---- a model's own tensors ------------------------------------------------------------
@@ -327,7 +190,7 @@ _HOME = "_rlhfz_offload_home"
 def _module_tensors(model, optimizer):
     owned = set()
     if optimizer is not None:
-        owned = {id(p) for bucket in optimizer._buckets for p in bucket.params}
+        owned = set(optimizer.engine.owners())
     seen = set()
     for tensor in list(model.parameters()) + list(model.buffers()):
         if id(tensor) in owned or id(tensor) in seen:

@@ -18,15 +18,36 @@ from __future__ import annotations
 
 import torch
 
-from .backends import HostBackend, torch_view
-from .buckets import DTYPE_NAMES, Bucket
+from .engine import DTYPE_NAMES, Bucket, torch_view
+
+
+class _Progress:
+    """One bucket's part in the current backward."""
+
+    def __init__(self, bucket: Bucket):
+        count = len(bucket.params)
+        self.gaps = bucket.layout.gaps()
+        self.arrived = [False] * count      # a grad came since zero(), in any micro-batch
+        self.accumulated = False            # the grad shard holds a reduced grad already
+        self.generation = 0                 # reduce-scatters launched so far
+        self.staged = None                  # (staging slot or None, flat) this round
+        self.staged_params = [False] * count
+        self.arrived_now = 0                # distinct params staged this round
+        self.launched = False
+
+    def open(self, count: int) -> None:
+        self.staged = None
+        self.staged_params = [False] * count
+        self.arrived_now = 0
+        self.launched = False
 
 
 class GradReducer:
-    def __init__(self, buckets: list[Bucket], comm, backend=None):
-        self.buckets = buckets            # the optimizer's list; it grows with add_param_group
+    def __init__(self, buckets: list[Bucket], comm, backend):
+        self.buckets = buckets            # the engine's list; it grows with add_param_group
         self.comm = comm
-        self.backend = backend or HostBackend()
+        self.backend = backend
+        self._progress: dict[Bucket, _Progress] = {}
         self._staging: dict[torch.dtype, list[torch.Tensor]] = {}
         self._staging_buffers: dict[torch.dtype, list] = {}   # the memory behind them
         self._slot_work: dict[tuple, object] = {}
@@ -39,6 +60,26 @@ class GradReducer:
         # go), and when backward is over
         self.on_staged = None
         self.after_flush = None
+
+    def _of(self, bucket: Bucket) -> _Progress:
+        progress = self._progress.get(bucket)
+        if progress is None:
+            progress = self._progress[bucket] = _Progress(bucket)
+        return progress
+
+    # ---- what the step and stage 3 ask -----------------------------------------------
+
+    def arrived(self, bucket: Bucket) -> list[bool]:
+        """Which params got a grad since zero()."""
+        return list(self._of(bucket).arrived)
+
+    def version(self, bucket: Bucket) -> int:
+        """Changes whenever the bucket's grad shard gets another reduced grad."""
+        return self._of(bucket).generation
+
+    def all_staged(self, bucket: Bucket) -> bool:
+        """Every trainable param of the bucket has its grad staged this round."""
+        return self._of(bucket).arrived_now >= bucket.trainable
 
     # ---- memory -------------------------------------------------------------------
 
@@ -84,10 +125,7 @@ class GradReducer:
         self._round_open = True
         self._next = len(self.buckets) - 1
         for bucket in self.buckets:
-            bucket.staged = None
-            bucket.staged_params = [False] * len(bucket.params)
-            bucket.arrived_now = 0
-            bucket.launched = False
+            self._of(bucket).open(len(bucket.params))
         try:
             torch.autograd.Variable._execution_engine.queue_callback(self.flush)
         except RuntimeError:
@@ -95,17 +133,19 @@ class GradReducer:
 
     def _stage(self, bucket: Bucket) -> torch.Tensor:
         """The staging tensor that holds this bucket's grads in this round."""
-        if bucket.staged is None:
+        progress = self._of(bucket)
+        if progress.staged is None:
             slot = (bucket.reduce_dtype, bucket.index % 2)
             owner = self._slot_owner.get(slot)
-            if owner is not None and owner is not bucket and owner.staged is not None \
-                    and not owner.launched:
+            theirs = self._of(owner) if owner is not None else None
+            if owner is not None and owner is not bucket and theirs.staged is not None \
+                    and not theirs.launched:
                 # Grads of three buckets interleave (rare: e.g. a tied weight
                 # far from its bucket): this one gets its own staging memory
                 # rather than take a slot that still fills.
                 flat = self.backend.empty(bucket.layout.padded_numel, bucket.reduce_dtype)
                 flat.zero_()
-                bucket.staged = (None, flat)
+                progress.staged = (None, flat)
                 return flat
             work = self._slot_work.pop(slot, None)
             if work is not None:
@@ -113,58 +153,60 @@ class GradReducer:
             flat = self._staging[bucket.reduce_dtype][slot[1]][:bucket.layout.padded_numel]
             # Each param's first grad is copied in, and params that send
             # none are zeroed at launch: only the gaps are zeroed here.
-            for start, stop in bucket.gaps:
+            for start, stop in progress.gaps:
                 flat[start:stop].zero_()
             self._slot_owner[slot] = bucket
-            bucket.staged = (slot, flat)
-        return bucket.staged[1]
+            progress.staged = (slot, flat)
+        return progress.staged[1]
 
     def on_grad(self, bucket: Bucket, index: int, param: torch.Tensor) -> None:
         self._open_round()
         flat = self._stage(bucket)
+        progress = self._of(bucket)
         slot = bucket.layout.slots[index]
         target = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
         with torch.no_grad():
-            if bucket.staged_params[index]:
+            if progress.staged_params[index]:
                 target.add_(param.grad)
             else:
                 target.copy_(param.grad)
-                bucket.staged_params[index] = True
-                bucket.arrived_now += 1     # distinct params, so a repeat cannot launch early
+                progress.staged_params[index] = True
+                progress.arrived_now += 1     # distinct params, so a repeat cannot launch early
         param.grad = None
-        bucket.arrived[index] = True
-        if bucket.arrived_now == bucket.expected:
+        progress.arrived[index] = True
+        if progress.arrived_now == bucket.trainable:
             if self.on_staged is not None:
-                self.on_staged(bucket)
+                self.on_staged(bucket, self.all_staged)
             self._launch_ready()
 
     def _launch_ready(self) -> None:
         while self._next >= 0:
             bucket = self.buckets[self._next]
-            if bucket.expected and bucket.arrived_now < bucket.expected:
+            if bucket.trainable and self._of(bucket).arrived_now < bucket.trainable:
                 return
             self._launch(bucket)
             self._next -= 1
 
     def _launch(self, bucket: Bucket) -> None:
-        if bucket.launched or not bucket.expected:
+        progress = self._of(bucket)
+        if progress.launched or not bucket.trainable:
             return
         flat = self._stage(bucket)
-        if bucket.arrived_now < len(bucket.params):
-            for index, staged in enumerate(bucket.staged_params):
+        if progress.arrived_now < len(bucket.params):
+            for index, staged in enumerate(progress.staged_params):
                 if not staged:      # no grad this round: it adds zeros
                     place = bucket.layout.slots[index]
                     flat[place.offset:place.offset + place.numel].zero_()
-        slot = bucket.staged[0]
-        bucket.launched = True
-        bucket.generation += 1
-        if not bucket.accumulated:
+        slot = progress.staged[0]
+        progress.launched = True
+        progress.generation += 1
+        if not progress.accumulated:
             work = self.comm.reduce_scatter(bucket.flat_grad_shard, flat, async_op=True)
             if slot is None:
                 self._pending.append((work, flat))
             else:
                 self._slot_work[slot] = work
-            bucket.accumulated = True
+            progress.accumulated = True
             return
         # A later micro-batch: reduce into scratch, then add into the shard.
         scratch = self._scratch[bucket.reduce_dtype][:bucket.layout.shard_numel]
@@ -192,15 +234,30 @@ class GradReducer:
     # ---- before a step ------------------------------------------------------------------
 
     def finish(self) -> None:
-        """Grads assigned by hand (not through backward) are reduced too."""
-        for bucket in self.buckets:
-            for i, p in enumerate(bucket.params):
-                if p.grad is not None:
-                    self.on_grad(bucket, i, p)
+        """Grads assigned by hand (not through backward) are reduced too,
+        once all of them are checked."""
+        handed = [(bucket, i, p) for bucket in self.buckets
+                  for i, p in enumerate(bucket.params) if p.grad is not None]
+        for bucket, i, p in handed:
+            shape = bucket.layout.slots[i].shape
+            if tuple(p.grad.shape) != shape:
+                placeholder = bucket.sharded_params and p.numel() == 0
+                raise ValueError(
+                    f"a param of shape {shape} (group {bucket.group_index}) has a grad of "
+                    f"shape {tuple(p.grad.shape)} set by hand" + (
+                        ": at stage 3 a param outside a forward is a 0-element placeholder, "
+                        "so zeros_like(param) is not a grad for it (torch.distributed."
+                        "checkpoint's set_optimizer_state_dict makes such grads for an "
+                        "optimizer that has no state yet). Load the state with "
+                        "optimizer.load_state_dict instead, or set grads of the full shape"
+                        if placeholder else ""))
+        for bucket, i, p in handed:
+            self.on_grad(bucket, i, p)
         self.flush()
 
     def zero(self) -> None:
         self.flush()
         for bucket in self.buckets:
-            bucket.arrived = [False] * len(bucket.params)
-            bucket.accumulated = False
+            progress = self._of(bucket)
+            progress.arrived = [False] * len(bucket.params)
+            progress.accumulated = False

@@ -246,11 +246,11 @@ class Stage3:
 
     # ---- backward ---------------------------------------------------------------------
 
-    def on_staged(self, bucket) -> None:
+    def on_staged(self, bucket, all_staged) -> None:
         """The reducer has staged every grad of a bucket: when all of its
-        unit's buckets are, the unit's params may go."""
+        unit's buckets are (all_staged(bucket) says), the unit's params may go."""
         index = self._unit_of.get(id(bucket))
-        if index is not None and all(b.arrived_now >= b.expected for b in self.units[index][1]):
+        if index is not None and all(all_staged(b) for b in self.units[index][1]):
             self.release(index)
 
 

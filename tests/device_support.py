@@ -12,6 +12,7 @@ caching allocator, torch's CUDA streams) are marked needs_real_gpu.
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 
 import pytest
@@ -134,8 +135,11 @@ def held(stream, limit_s: float = 60.0):
     stream after limit_s, and the block then fails rather than hangs.
     Memory freed while the stream is held waits for it (cudaFree
     synchronizes the device), so the borrows kernels of earlier tests still
-    hold are let go first."""
+    hold are let go first, and no garbage is collected inside the block."""
     _C.cuda_synchronize(stream.device)
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
     token = _C.cuda_sim_hold(stream)
     lock = threading.Lock()
     released = []
@@ -154,6 +158,8 @@ def held(stream, limit_s: float = 60.0):
     finally:
         timer.cancel()
         release(False)
+        if collecting:
+            gc.enable()
     if released[0]:
         raise AssertionError(f"something waited for the work held on {stream!r}: the stream "
                              f"was let go only after {limit_s} s")

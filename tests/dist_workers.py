@@ -64,10 +64,10 @@ def stage_parity(rank, world_size, steps, clip, stage=1, micro_batches=1, bucket
     report = opt.memory_report()
     return {"losses": losses, "params": [p.detach().clone() for p in model.parameters()],
             "report": report, "numel": sum(p.numel() for p in model.parameters()),
-            "buckets": len(opt._buckets), "state_dict": opt.state_dict(),
-            "shard_grad_bytes": sum(b.flat_grad_shard.numel() * 4 for b in opt._buckets),
-            "max_bucket_bytes": max(b.layout.padded_numel * 4 for b in opt._buckets),
-            "max_shard_bytes": max(b.layout.shard_numel * 4 for b in opt._buckets)}
+            "buckets": len(opt.engine.buckets), "state_dict": opt.state_dict(),
+            "shard_grad_bytes": sum(b.flat_grad_shard.numel() * 4 for b in opt.engine.buckets),
+            "max_bucket_bytes": max(b.layout.padded_numel * 4 for b in opt.engine.buckets),
+            "max_shard_bytes": max(b.layout.shard_numel * 4 for b in opt.engine.buckets)}
 
 
 def save_then_continue(rank, world_size, path, steps_before, steps_after):
@@ -156,16 +156,17 @@ def abandoned_collective_drained_at_exit(rank, world_size):
     prefetch) stays tracked until the exit hook waits for it; waited ones
     are not tracked."""
     from rlhfz import comm
+    from rlhfz.comm import torch_engine
     c = comm.Communicator()
     n = 1 << 20
     full = torch.full((world_size * n,), float(rank))
     c.all_gather(torch.empty(world_size * 8), torch.ones(8))             # waited
-    after_sync = len(comm._IN_FLIGHT)
+    after_sync = torch_engine.in_flight()
     c.all_gather(full, full[rank * n:(rank + 1) * n], async_op=True)     # dropped
-    tracked = len(comm._IN_FLIGHT)
-    comm._drain_at_exit()
+    tracked = torch_engine.in_flight()
+    torch_engine.drain_at_exit()
     expected = torch.arange(world_size, dtype=torch.float32).repeat_interleave(n)
-    out = {"tracked": tracked, "after_sync": after_sync, "after_drain": len(comm._IN_FLIGHT),
+    out = {"tracked": tracked, "after_sync": after_sync, "after_drain": torch_engine.in_flight(),
            "gathered": bool(torch.equal(full, expected))}
     c.destroy()
     return out
@@ -237,16 +238,16 @@ def bf16_reduce_dtype(rank, world_size, steps, stage, reduce_dtype):
             p.grad = torch.randn(p.shape, generator=gen).bfloat16()
         opt.step()
         opt.zero_grad()
-    shard_dtypes = sorted({str(b.flat_grad_shard.dtype) for b in opt._buckets})
+    shard_dtypes = sorted({str(b.flat_grad_shard.dtype) for b in opt.engine.buckets})
     return {"state_dict": opt.state_dict(), "shard_dtypes": shard_dtypes}
 
 
 def communicator_primitives(rank, world_size, piece_bytes):
     """Each flat collective against its definition, with gloo pieces small
     enough that every call is cut into many (uneven) pieces."""
-    from rlhfz import comm as comm_module
-    comm_module.GLOO_PIECE_BYTES = piece_bytes
-    comm = comm_module.Communicator()
+    from rlhfz.comm import Communicator, torch_engine
+    torch_engine.GLOO_PIECE_BYTES = piece_bytes
+    comm = Communicator()
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
         shard = 1031
@@ -401,3 +402,33 @@ def copy_across_ranks(rank, world_size, stage):
             refusals.append(str(error))
     train(model, opt, batches(1, seed=2), rank, world_size)
     return refusals
+
+
+def group_added_later(rank, world_size, stage, norm_type):
+    """The last layer frozen at first, then trained in a group added after
+    construction; clipped with norm_type throughout. Whole params back."""
+    model = make_model()
+    model[4].requires_grad_(False)
+    opt = rlhfz.ZeroAdamW(model if stage == 3 else
+                          [p for p in model.parameters() if p.requires_grad],
+                          lr=1e-3, stage=stage)
+    data = batches(6)
+    _train_clipped(model, opt, data[:3], rank, world_size, norm_type)
+    model[4].requires_grad_(True)
+    opt.add_param_group({"params": list(model[4].parameters()), "lr": 5e-3,
+                         "weight_decay": 0.0})
+    norms = _train_clipped(model, opt, data[3:], rank, world_size, norm_type)
+    return {"params": {name: t.clone() for name, t in rlhfz.iter_full_params(model)},
+            "norms": norms}
+
+
+def _train_clipped(model, opt, data, rank, world_size, norm_type):
+    per_rank = GLOBAL_BATCH // world_size
+    norms = []
+    for x, y in data:
+        opt.zero_grad()
+        xs, ys = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+        torch.nn.functional.mse_loss(model(xs), ys).backward()
+        norms.append(float(opt.clip_grad_norm_(0.05, norm_type=norm_type)))
+        opt.step()
+    return norms

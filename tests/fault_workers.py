@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 import rlhfz
-from rlhfz import tensorfile
+from rlhfz.checkpoint import format as tensorfile
 
 STEPS = 6
 SAVE_EVERY = 2

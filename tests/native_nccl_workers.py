@@ -96,8 +96,8 @@ def collective_after_death(rank, world_size, victim, out_dir):
     """The native communicator alone: the victim dies right after the
     bootstrap; the others' all-reduce waits on it (NCCL never gives up) until
     the watchdog aborts the communicator, and the wait raises."""
-    from rlhfz.backends import backend_for
-    from rlhfz.nccl import NativeNcclCommunicator
+    from rlhfz.engine import backend_for
+    from rlhfz.comm import NativeNcclCommunicator
     comm = NativeNcclCommunicator(None, backend_for(torch.device("cpu")))
     if rank == victim:
         os.kill(os.getpid(), signal.SIGKILL)

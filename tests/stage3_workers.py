@@ -54,7 +54,7 @@ def generation_modes(rank, world_size, kind):
     stage3 = opt.stage3
     units = [stage3.unit_bytes(i) for i in range(len(stage3.units))]
     total = sum(units)
-    shard = sum(b.param_buffer.nbytes for _, buckets in stage3.units for b in buckets)
+    shard = sum(b.storage.buffers["param"].nbytes for _, buckets in stage3.units for b in buckets)
     out = {"units": units, "shard": shard, "hooks": len(stage3.handles)}
     modes = [("unit", dict(enabled=False)), ("full", dict(enabled=True))]
     modes += [(f"budget{q}", dict(budget_bytes=total * q // 4)) for q in (1, 2, 3)]

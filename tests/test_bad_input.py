@@ -61,6 +61,12 @@ def test_sparse_param_raises():
         rlhfz.ZeroAdamW([sparse])
 
 
+def test_meta_device_params_raise():
+    meta = torch.nn.Parameter(torch.empty(3, device="meta"))
+    with pytest.raises(ValueError, match="not meta"):
+        rlhfz.ZeroAdamW([meta])
+
+
 def test_non_tensor_param_raises():
     with pytest.raises(TypeError, match="Tensors"):
         rlhfz.ZeroAdamW([torch.nn.Parameter(torch.ones(2)), 3.0])
@@ -84,7 +90,7 @@ def test_failed_add_param_group_leaves_optimizer_and_model_alone():
         opt.add_param_group({"params": [extra, params[0]]})
     with pytest.raises(ValueError, match="learning rate"):
         opt.add_param_group({"params": [extra], "lr": -1.0})
-    assert len(opt.param_groups) == 1 and len(opt._buckets) == 1
+    assert len(opt.param_groups) == 1 and len(opt.engine.buckets) == 1
     assert extra.data_ptr() == before_ptr
     _assert_unchanged(opt, params, snap)
 
@@ -176,8 +182,9 @@ def test_clip_grad_norm_error_if_nonfinite():
     with pytest.raises(RuntimeError, match="non-finite"):
         opt.clip_grad_norm_(1.0, error_if_nonfinite=True)
     _assert_unchanged(opt, params, snap)
-    with pytest.raises(ValueError, match="2-norm"):
-        opt.clip_grad_norm_(1.0, norm_type=1.0)
+    with pytest.raises(ValueError, match="norm_type must be > 0 or inf"):
+        opt.clip_grad_norm_(1.0, norm_type=0.0)
+    _assert_unchanged(opt, params, snap)
 
 
 def _mutations():

@@ -101,7 +101,7 @@ def test_overwrite_keeps_one_generation_and_files_are_tensor_only(tmp_path):
     assert (os.stat(shard).st_mode & 0o777) == 0o600
     from safetensors.torch import load_file
     tensors = load_file(str(shard))          # the safetensors library reads them as they are
-    assert torch.equal(tensors["bucket0.exp_avg"][:5], opt._buckets[0].flat_exp_avg[:5])
+    assert torch.equal(tensors["bucket0.exp_avg"][:5], opt.engine.buckets[0].flat_exp_avg[:5])
     fresh, fresh_opt = workers.build("mlp", 2)
     assert rlhfz.load_checkpoint(tmp_path, fresh, fresh_opt) == {"step": 2}
 

@@ -362,7 +362,7 @@ def _train(checkpoint, out, marker=None, resume=False):
 def _stop_second_save_at(moment, stopped):
     """Makes the child's next save stall at `moment` (and say so), for the
     parent to kill it there. Returns the switch that arms it."""
-    import rlhfz.tensorfile as tensorfile
+    import rlhfz.checkpoint.format as tensorfile
     armed = [False]
 
     def stop():

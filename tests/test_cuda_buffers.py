@@ -132,7 +132,7 @@ def test_pinned_memory_reaches_torch_as_pinned_cpu_memory():
     request (dl_device), still pinned, so torch's copies from them are async.
     (torch's CPU build, on the simulator, cannot say whether memory is
     pinned: there the runtime's count of cudaHostAlloc calls does.)"""
-    from rlhfz.backends import torch_view
+    from rlhfz.engine import torch_view
     host_allocs = _C.cuda_sim_calls("cudaHostAlloc") if SIMULATED else 0
     buffer = _C.Buffer(4096, "pinned")
     assert buffer.tier == "pinned"

@@ -56,8 +56,8 @@ def world_of_one(monkeypatch):
 
 @needs_nccl
 def test_native_collectives_round_trip(world_of_one):
-    from rlhfz.backends import backend_for
-    from rlhfz.nccl import NativeNcclCommunicator
+    from rlhfz.engine import backend_for
+    from rlhfz.comm import NativeNcclCommunicator
     backend = backend_for(torch.device("cpu") if SIMULATED else
                           torch.device("cuda", torch.cuda.current_device()))
     comm = NativeNcclCommunicator(None, backend)
@@ -80,10 +80,20 @@ def test_native_collectives_round_trip(world_of_one):
         out = zeros(1 << 20)
         comm.all_gather(out, x)
         assert bool((out == 3.0).all())
-        with pytest.raises(TypeError, match="float32, bfloat16 and float16"):
+        # NcclComm checks what it borrows, and the communicator stays usable
+        with pytest.raises(BufferError, match="float32, bfloat16 and float16"):
             comm.all_reduce_avg(to_device(torch.zeros(4, dtype=torch.float64)))
-        with pytest.raises(ValueError, match="contiguous device tensors"):
+        with pytest.raises(BufferError, match="needs CUDA device memory"):
             comm.all_reduce_avg(torch.zeros(4))            # host memory
+        with pytest.raises(BufferError, match="not contiguous"):
+            comm.all_reduce_avg(zeros((4, 4)).t())
+        with pytest.raises(ValueError, match="world_size \\(1\\) times"):
+            comm.reduce_scatter(zeros(3), zeros(4))
+        with pytest.raises(TypeError, match="send must be float32, not bfloat16"):
+            comm.all_gather(zeros(4), zeros(4, torch.bfloat16))
+        averaged = to_device(full)
+        comm.all_reduce_avg(averaged)
+        assert torch.equal(averaged, full)
     finally:
         comm.destroy()
     assert not comm.nccl.alive

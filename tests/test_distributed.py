@@ -309,3 +309,37 @@ def test_a_sharded_optimizer_across_ranks_refuses_copies_at_once(stage):
     for refusals in run_ranks(workers.copy_across_ranks, 2, stage):
         assert all(r is not None and "across processes cannot be copied" in r for r in refusals)
 
+
+
+def _group_added_later_reference(norm_type):
+    model = workers.make_model()
+    model[4].requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    norms = []
+
+    def run(data):
+        for x, y in data:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(
+                [p for p in model.parameters() if p.requires_grad], 0.05, norm_type=norm_type)))
+            opt.step()
+    data = workers.batches(6)
+    run(data[:3])
+    model[4].requires_grad_(True)
+    opt.add_param_group({"params": list(model[4].parameters()), "lr": 5e-3,
+                         "weight_decay": 0.0})
+    run(data[3:])
+    return dict(model.named_parameters()), norms[3:]
+
+
+@pytest.mark.parametrize("stage,norm_type", [(1, 1.0), (2, float("inf")), (3, 2.0), (3, 3.0)])
+def test_a_group_added_after_construction_trains_as_torch_at_every_stage(stage, norm_type):
+    """add_param_group across ranks at stages 1-3, clipped with p-norms and
+    the max norm as torch.nn.utils.clip_grad_norm_ clips."""
+    params, norms = _group_added_later_reference(norm_type)
+    for result in run_ranks(workers.group_added_later, 2, stage, norm_type):
+        for name, value in result["params"].items():
+            torch.testing.assert_close(value, params[name].detach(), rtol=2e-4, atol=2e-5)
+        for ours, theirs in zip(result["norms"], norms):
+            assert ours == pytest.approx(theirs, rel=1e-4)

@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlhfz.layout import ALIGN_BYTES, plan_bucket, stage2_bucket_bytes
+from rlhfz.engine.layout import ALIGN_BYTES, plan_bucket, stage2_bucket_bytes
 
 shapes = st.lists(st.lists(st.integers(0, 70), min_size=0, max_size=3).map(tuple),
                   min_size=1, max_size=12)

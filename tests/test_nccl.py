@@ -2,7 +2,8 @@
 
 Three layers, each skipped only where it must be:
 - argument checking, which never touches NCCL (it fails before the library is
-  loaded, or runs on a communicator from NcclComm._unconnected): always runs;
+  loaded, or runs on a communicator from NcclComm._unconnected, with
+  hand-made DLPack capsules that claim to be CUDA memory): always runs;
 - loading libnccl.so.2, its version and unique ids (no GPU needed): skipped if
   no libnccl.so.2 can be found;
 - collectives on CUDA tensors, world size 1, and 2 processes on 2 GPUs: marked
@@ -22,11 +23,13 @@ import sys
 import textwrap
 import warnings
 
+import numpy as np
 import pytest
 
 import rlhfz
+from dlpack_handmade import FLAG_READ_ONLY, Handmade
 from rlhfz import _C
-from rlhfz.nccl_library import wheel_library
+from rlhfz.comm.nccl_library import wheel_library
 
 UNIQUE_ID_BYTES = 128
 DTYPES = ("float32", "bfloat16", "float16")
@@ -145,149 +148,277 @@ def test_unconnected_comm_is_freed_without_a_warning():
     assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
 
 
-# Arguments that pass every check, per method: 16 float32 elements per rank,
-# world size 2, rank 1, buffers far apart.
-SEND, RECV, STREAM = 0x10000, 0x20000, 0x1234
-VALID = {
-    "all_reduce": dict(send_ptr=SEND, recv_ptr=RECV, count=16, dtype="float32", op="sum", stream=STREAM),
-    "reduce_scatter": dict(send_ptr=SEND, recv_ptr=RECV, recv_count=16, dtype="float32", op="sum",
-                           stream=STREAM),
-    "all_gather": dict(send_ptr=SEND, recv_ptr=RECV, send_count=16, dtype="float32", stream=STREAM),
-    "broadcast": dict(send_ptr=SEND, recv_ptr=RECV, count=16, dtype="float32", root=1, stream=STREAM),
-}
-COUNT_NAME = {"all_reduce": "count", "reduce_scatter": "recv_count", "all_gather": "send_count",
-              "broadcast": "count"}
+# ---- collective arguments: rlhfz borrows, checked before NCCL ----------------------------------
+#
+# The arrays are hand-made DLPack capsules that claim to be CUDA memory (host
+# bytes behind them, never touched: an unconnected communicator stops at its
+# alive check), world size 2, rank 1, device 0: 16 float32 elements per rank.
+
+KDLCUDA, KDLCPU, KDLCUDAHOST = 2, 1, 3
+PER_RANK = 16
+# elements of send and recv per method (world size 2)
+SIZES = {"all_reduce": (16, 16), "reduce_scatter": (32, 16), "all_gather": (16, 32),
+         "broadcast": (16, 16)}
+SCALARS = {"all_reduce": {"op": "sum"}, "reduce_scatter": {"op": "sum"}, "all_gather": {},
+           "broadcast": {"root": 1}}
+BITS = {"float32": (2, 32), "bfloat16": (4, 16), "float16": (2, 16)}
 
 
-def _call(comm, method, **changes):
-    kwargs = dict(VALID[method], **changes)
-    return getattr(comm, method)(**kwargs)
+def cuda_array(n, *, dtype="float32", device_id=0, backing=None, byte_offset=0, **fields):
+    """A capsule claiming n elements of CUDA memory on device_id; keep the
+    returned Handmade alive while its capsule is in use."""
+    code, bits = BITS[dtype]
+    if backing is None:
+        backing = np.zeros(max(n, 1), dtype=np.float32)
+    return Handmade(backing, shape=(n,), code=code, bits=bits, device=(KDLCUDA, device_id),
+                    byte_offset=byte_offset, **fields)
 
 
-@pytest.mark.parametrize("method", sorted(VALID))
+def _arrays(method, dtype="float32", sizes=None):
+    send_n, recv_n = sizes or SIZES[method]
+    return cuda_array(send_n, dtype=dtype), cuda_array(recv_n, dtype=dtype)
+
+
+def _call(comm, method, send, recv, **changes):
+    """Calls method with the Handmade arrays (or other objects) and the scalars."""
+    def capsule(obj):
+        return obj.capsule if isinstance(obj, Handmade) else obj
+    kwargs = dict(SCALARS[method], **changes)
+    return getattr(comm, method)(capsule(send), capsule(recv), **kwargs)
+
+
+def _unconnected():
+    return _C.NcclComm._unconnected(2, 1)
+
+
+NEVER_CONNECTED = "never connected"
+
+
+@pytest.mark.parametrize("method", sorted(SIZES))
 def test_valid_arguments_reach_the_alive_check(method):
-    comm = _C.NcclComm._unconnected(2, 1)
-    with pytest.raises(RuntimeError, match="never connected"):
-        _call(comm, method)
-    # positionally too, in the documented order
-    with pytest.raises(RuntimeError, match="never connected"):
-        getattr(comm, method)(*VALID[method].values())
-    # dtypes by name and as torch names; every op; count 0 with null pointers
-    for dtype in DTYPES + ("torch.bfloat16",):
-        with pytest.raises(RuntimeError, match="never connected"):
-            _call(comm, method, dtype=dtype)
-    if "op" in VALID[method]:
+    comm = _unconnected()
+    send, recv = _arrays(method)
+    with pytest.raises(RuntimeError, match=NEVER_CONNECTED):
+        _call(comm, method, send, recv)
+    # positionally too, in the documented order; stream by keyword only
+    with pytest.raises(RuntimeError, match=NEVER_CONNECTED):
+        getattr(comm, method)(send.capsule, recv.capsule, *SCALARS[method].values(), stream=None)
+    for dtype in DTYPES:
+        send, recv = _arrays(method, dtype)
+        with pytest.raises(RuntimeError, match=NEVER_CONNECTED):
+            _call(comm, method, send, recv)
+    if "op" in SCALARS[method]:
         for op in OPS:
-            with pytest.raises(RuntimeError, match="never connected"):
-                _call(comm, method, op=op)
-    with pytest.raises(RuntimeError, match="never connected"):
-        _call(comm, method, send_ptr=0, recv_ptr=0, **{COUNT_NAME[method]: 0})
+            with pytest.raises(RuntimeError, match=NEVER_CONNECTED):
+                _call(comm, method, send, recv, op=op)
+
+    class Torchlike:
+        cuda_stream = 0x7F00DEAD0000
+    for stream in (None, 0, 1, 2, 0x1234, Torchlike()):
+        with pytest.raises(RuntimeError, match=NEVER_CONNECTED):
+            _call(comm, method, send, recv, stream=stream)
+    # nothing to do: empty arrays, a null data pointer too
+    empty = [cuda_array(0), Handmade(data=False, shape=(0,), device=(KDLCUDA, 0))]
+    for send_empty in empty:
+        for recv_empty in empty:
+            with pytest.raises(RuntimeError, match=NEVER_CONNECTED):
+                _call(comm, method, send_empty, recv_empty)
 
 
-BAD_COMMON = [
-    (dict(dtype="int8"), TypeError, "float32, bfloat16 or float16"),
-    (dict(dtype="float64"), TypeError, "float32, bfloat16 or float16"),
-    (dict(dtype=7), TypeError, "float32, bfloat16 or float16"),
-    (dict(send_ptr=0), ValueError, "send_ptr is 0"),
-    (dict(recv_ptr=0), ValueError, "recv_ptr is 0"),
-    (dict(send_ptr=-8), ValueError, "non-negative address"),
-    (dict(recv_ptr=-(2**70)), ValueError, "non-negative address"),
-    (dict(send_ptr=2**64), OverflowError, "64-bit address"),
-    (dict(send_ptr=1.5), TypeError, "send_ptr must be an int"),
-    (dict(recv_ptr="0x10"), TypeError, "recv_ptr must be an int"),
-    (dict(recv_ptr=None), TypeError, "recv_ptr must be an int"),
-    (dict(stream=None), TypeError, "stream must be an int"),
-    (dict(stream=-1), ValueError, "non-negative address"),
-    (dict(recv_ptr=2**64 - 16), OverflowError, "past the end of the address space"),
-]
+@pytest.mark.parametrize("method", sorted(SIZES))
+def test_arrays_must_be_float_cuda_memory_of_the_communicators_device(method):
+    comm = _unconnected()
+    send, recv = _arrays(method)
+    send_n, recv_n = SIZES[method]
+    cases = [
+        # what the DLPack importer refuses, naming the argument
+        (dict(recv=Handmade(np.zeros(recv_n, dtype=np.int8), shape=(recv_n,), code=0, bits=8,
+                            device=(KDLCUDA, 0))),
+         BufferError, "recv has dtype int8; supported dtypes are float32, bfloat16 and float16"),
+        (dict(send=Handmade(np.zeros(send_n, dtype=np.float64), shape=(send_n,), bits=64,
+                            device=(KDLCUDA, 0))),
+         BufferError, "send has dtype float64"),
+        (dict(recv=np.zeros(recv_n, dtype=np.float32)),
+         BufferError, "recv is on device cpu:0; this kernel needs CUDA device memory"),
+        (dict(send=Handmade(np.zeros(send_n, dtype=np.float32), shape=(send_n,),
+                            device=(KDLCUDAHOST, 0))),
+         BufferError, "send is on device cuda_host:0"),
+        (dict(send=_C.Buffer(4 * send_n).view("float32")),
+         BufferError, "send is in host memory; this kernel needs CUDA device memory"),
+        (dict(recv=Handmade(np.zeros(2 * recv_n, dtype=np.float32), shape=(recv_n,),
+                            strides=(2,), device=(KDLCUDA, 0))),
+         BufferError, "recv is not contiguous"),
+        (dict(recv=cuda_array(recv_n, versioned=True, flags=FLAG_READ_ONLY)),
+         BufferError, "recv is read-only"),
+        # rlhfz's own checks
+        (dict(send=cuda_array(send_n, dtype="float16")),
+         TypeError, "send must be float32, not float16"),
+        (dict(send=cuda_array(send_n, device_id=1)),
+         ValueError, "NcclComm: send is on cuda:1 but the communicator is on cuda:0"),
+        (dict(recv=cuda_array(recv_n, device_id=3)),
+         ValueError, "NcclComm: recv is on cuda:3 but the communicator is on cuda:0"),
+        (dict(recv=None), TypeError, "recv must be a tensor or array supporting DLPack"),
+        (dict(send=b"\0" * 64), TypeError, "send must be a tensor or array supporting DLPack"),
+    ]
+    if method != "broadcast":     # a broadcast off the root reads no send (below)
+        cases.append((dict(send=None), TypeError, f"NcclComm.{method}: send must be an array"))
+    for change, error, match in cases:
+        arrays = {"send": send, "recv": recv, **change}
+        with pytest.raises(error, match=re.escape(match)):
+            _call(comm, method, arrays["send"], arrays["recv"])
+    # a read-only send is fine: it is only read
+    with pytest.raises(RuntimeError, match=NEVER_CONNECTED):
+        _call(comm, method, cuda_array(send_n, versioned=True, flags=FLAG_READ_ONLY), recv)
 
 
-@pytest.mark.parametrize("method", sorted(VALID))
-@pytest.mark.parametrize("change, error, match", BAD_COMMON,
-                         ids=[f"{next(iter(c))}={next(iter(c.values()))!r}" for c, _, _ in BAD_COMMON])
-def test_bad_common_arguments_raise(method, change, error, match):
-    comm = _C.NcclComm._unconnected(2, 1)
-    with pytest.raises(error, match=match):
-        _call(comm, method, **change)
-
-
-@pytest.mark.parametrize("method", sorted(VALID))
-def test_bad_counts_raise(method):
-    comm = _C.NcclComm._unconnected(2, 1)
-    name = COUNT_NAME[method]
-    with pytest.raises(ValueError, match=f"{name} must be >= 0"):
-        _call(comm, method, **{name: -1})
-    with pytest.raises(TypeError, match=f"{name} must be an integer"):
-        _call(comm, method, **{name: 4.0})
-    with pytest.raises(ValueError, match="int64"):
-        _call(comm, method, **{name: 2**64})
-    with pytest.raises(OverflowError, match="overflow the address space"):
-        _call(comm, method, **{name: 2**62})
+@pytest.mark.parametrize("method, send_n, recv_n, match", [
+    ("all_reduce", 16, 15, "send has 16 elements but recv has 15"),
+    ("all_reduce", 0, 1, "send has 0 elements but recv has 1"),
+    ("broadcast", 17, 16, "send has 17 elements but recv has 16"),
+    ("reduce_scatter", 16, 16, "send has 16 elements but must have world_size (2) times recv's 16"),
+    ("reduce_scatter", 33, 16, "send has 33 elements but must have world_size (2) times recv's 16"),
+    ("all_gather", 16, 16, "recv has 16 elements but must have world_size (2) times send's 16"),
+    ("all_gather", 16, 31, "recv has 31 elements but must have world_size (2) times send's 16"),
+])
+def test_sizes_must_fit_the_collective(method, send_n, recv_n, match):
+    comm = _unconnected()
+    send, recv = _arrays(method, sizes=(send_n, recv_n))
+    with pytest.raises(ValueError, match=re.escape(match)):
+        _call(comm, method, send, recv)
 
 
 @pytest.mark.parametrize("method", ["all_reduce", "reduce_scatter"])
 @pytest.mark.parametrize("op, error", [("prod", ValueError), ("SUM", ValueError), ("", ValueError),
                                        (0, TypeError), (None, TypeError)])
 def test_bad_ops_raise(method, op, error):
-    comm = _C.NcclComm._unconnected(2, 1)
+    comm = _unconnected()
+    send, recv = _arrays(method)
     with pytest.raises(error, match="'sum', 'avg', 'max' or 'min'"):
-        _call(comm, method, op=op)
+        _call(comm, method, send, recv, op=op)
+
+
+@pytest.mark.parametrize("method", sorted(SIZES))
+@pytest.mark.parametrize("stream, error, match", [
+    ("default", TypeError, "stream must be None, a stream handle"),
+    (-1, ValueError, "stream handle must be an address"),
+    (object(), TypeError, "cuda_stream or handle attribute"),
+])
+def test_bad_streams_raise(method, stream, error, match):
+    comm = _unconnected()
+    send, recv = _arrays(method)
+    with pytest.raises(error, match=match):
+        _call(comm, method, send, recv, stream=stream)
 
 
 def test_broadcast_root_and_send_rules():
-    root_comm = _C.NcclComm._unconnected(2, 1)        # rank 1
+    comm = _unconnected()                 # rank 1
+    send, recv = _arrays("broadcast")
     for root in (-1, 2, 2**40):
         with pytest.raises(ValueError, match="root must be in"):
-            _call(root_comm, "broadcast", root=root)
+            _call(comm, "broadcast", send, recv, root=root)
     with pytest.raises(TypeError, match="root must be an integer"):
-        _call(root_comm, "broadcast", root="0")
-    # send is read only on the root: elsewhere it may be NULL or anything
-    with pytest.raises(ValueError, match="send_ptr is 0"):
-        _call(root_comm, "broadcast", root=1, send_ptr=0)
-    with pytest.raises(RuntimeError, match="never connected"):
-        _call(root_comm, "broadcast", root=0, send_ptr=0)
-    with pytest.raises(RuntimeError, match="never connected"):
-        _call(root_comm, "broadcast", root=0, send_ptr=RECV + 4)
+        _call(comm, "broadcast", send, recv, root="0")
+    # send is read only on the root: elsewhere it may be None, or overlap recv
+    with pytest.raises(TypeError, match=r"send is None, but this rank \(1\) is the root"):
+        _call(comm, "broadcast", None, recv, root=1)
+    with pytest.raises(RuntimeError, match=NEVER_CONNECTED):
+        _call(comm, "broadcast", None, recv, root=0)
+    backing = np.zeros(64, dtype=np.float32)
+    shifted = cuda_array(16, backing=backing, byte_offset=4)
+    base = cuda_array(16, backing=backing)
+    with pytest.raises(RuntimeError, match=NEVER_CONNECTED):
+        _call(comm, "broadcast", shifted, base, root=0)
+    with pytest.raises(ValueError, match="overlap"):
+        _call(comm, "broadcast", shifted, base, root=1)
+    # ... but a send that is given is checked as on the root
+    with pytest.raises(ValueError, match="send has 8 elements but recv has 16"):
+        _call(comm, "broadcast", cuda_array(8), recv, root=0)
 
 
-@pytest.mark.parametrize("method, send, recv, ok", [
-    # in place is the only overlap allowed (rank 1, 16 float32 = 64 bytes per rank)
-    ("all_reduce", RECV, RECV, True),
-    ("all_reduce", RECV + 4, RECV, False),
-    ("all_reduce", RECV, RECV + 60, False),
-    ("all_reduce", RECV + 64, RECV, True),             # adjacent, not overlapping
-    ("broadcast", RECV, RECV, True),
-    ("broadcast", RECV + 8, RECV, False),
-    ("reduce_scatter", SEND, SEND + 64, True),         # recv = send + rank * chunk
-    ("reduce_scatter", SEND, SEND, False),
-    ("reduce_scatter", SEND, SEND + 96, False),
-    ("reduce_scatter", SEND, SEND + 128, True),        # just past the 128-byte send buffer
-    ("all_gather", RECV + 64, RECV, True),             # send = recv + rank * chunk
-    ("all_gather", RECV, RECV, False),
-    ("all_gather", RECV + 32, RECV, False),
-    ("all_gather", RECV - 64, RECV, True),
-    ("all_gather", RECV - 60, RECV, False),
+@pytest.mark.parametrize("method, send_at, recv_at, ok", [
+    # byte offsets into one backing; in place is the only overlap allowed
+    # (rank 1, 16 float32 = 64 bytes per rank)
+    ("all_reduce", 256, 256, True),
+    ("all_reduce", 260, 256, False),
+    ("all_reduce", 256, 316, False),
+    ("all_reduce", 320, 256, True),                # adjacent, not overlapping
+    ("broadcast", 256, 256, True),
+    ("broadcast", 264, 256, False),
+    ("reduce_scatter", 256, 320, True),            # recv = send + rank * chunk
+    ("reduce_scatter", 256, 256, False),
+    ("reduce_scatter", 256, 352, False),
+    ("reduce_scatter", 256, 384, True),            # just past the 128-byte send
+    ("all_gather", 320, 256, True),                # send = recv + rank * chunk
+    ("all_gather", 256, 256, False),
+    ("all_gather", 288, 256, False),
+    ("all_gather", 192, 256, True),
+    ("all_gather", 196, 256, False),
 ])
-def test_overlapping_buffers_must_be_exactly_in_place(method, send, recv, ok):
-    comm = _C.NcclComm._unconnected(2, 1)
-    expected = (RuntimeError, "never connected") if ok else (ValueError, "overlap")
+def test_overlapping_arrays_must_be_exactly_in_place(method, send_at, recv_at, ok):
+    comm = _unconnected()
+    backing = np.zeros(256, dtype=np.float32)
+    send_n, recv_n = SIZES[method]
+    send = cuda_array(send_n, backing=backing, byte_offset=send_at)
+    recv = cuda_array(recv_n, backing=backing, byte_offset=recv_at)
+    expected = (RuntimeError, NEVER_CONNECTED) if ok else (ValueError, "overlap; the only overlap "
+                                                                      "allowed is in place")
     with pytest.raises(expected[0], match=expected[1]):
-        _call(comm, method, send_ptr=send, recv_ptr=recv)
+        _call(comm, method, send, recv)
 
 
-@pytest.mark.parametrize("method", sorted(VALID))
+@pytest.mark.parametrize("method", sorted(SIZES))
 def test_collective_argument_binding(method):
-    comm = _C.NcclComm._unconnected(2, 1)
+    comm = _unconnected()
+    send, recv = _arrays(method)
     fn = getattr(comm, method)
-    args = list(VALID[method].values())
+    args = [send.capsule, recv.capsule, *SCALARS[method].values()]
     with pytest.raises(TypeError, match="missing required argument"):
         fn(*args[:-1])
     with pytest.raises(TypeError, match="at most"):
-        fn(*args, 0)
+        fn(*args, 0)                               # stream is keyword-only
     with pytest.raises(TypeError, match="unexpected keyword"):
-        fn(*args[:-1], streem=0)
+        fn(*args, streem=0)
     with pytest.raises(TypeError, match="multiple values"):
-        fn(*args, stream=0)
+        fn(*args, recv=recv.capsule)
+
+
+class RecordingProducer:
+    """A CUDA producer that records the stream its consumer asks for."""
+
+    def __init__(self, made):
+        self.made, self.streams = made, []
+
+    def __dlpack_device__(self):
+        return (KDLCUDA, 0)
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        self.streams.append(stream)
+        return self.made.capsule
+
+
+@pytest.mark.parametrize("stream, expected", [(None, 1), (0, 1), (1, 1), (2, 2),
+                                              (0x7F00DEAD0000, 0x7F00DEAD0000)])
+def test_the_collectives_stream_goes_to_the_producers(stream, expected):
+    # as for a kernel: the producer orders its pending writes before that stream
+    comm = _unconnected()
+    send, recv = (RecordingProducer(made) for made in _arrays("all_reduce"))
+    with pytest.raises(RuntimeError, match=NEVER_CONNECTED):
+        comm.all_reduce(send, recv, "sum", stream=stream)
+    assert send.streams == recv.streams == [expected]
+
+
+def test_refused_calls_let_go_of_what_they_borrowed():
+    comm = _unconnected()
+    send, recv = _arrays("reduce_scatter")
+    held = [sys.getrefcount(send.capsule), sys.getrefcount(recv.capsule)]
+    for change in (dict(), dict(op="prod"), dict(stream="x")):
+        with pytest.raises((RuntimeError, ValueError, TypeError)):
+            _call(comm, "reduce_scatter", send, recv, **change)
+    small = cuda_array(3)
+    with pytest.raises(ValueError):
+        _call(comm, "reduce_scatter", send, small)
+    assert [sys.getrefcount(send.capsule), sys.getrefcount(recv.capsule)] == held
+    assert send.deleted == recv.deleted == []    # borrowed, never consumed
 
 
 def test_nccl_load_rejects_bad_paths():
@@ -409,49 +540,51 @@ def test_world_size_one_round_trip(nccl, dtype):
         assert comm.alive and comm.state == "alive"
         assert (comm.rank, comm.world_size, comm.device) == (0, 1, 0)
         torch_dtype = getattr(torch, dtype)
-        stream = torch.cuda.current_stream().cuda_stream
+        stream = torch.cuda.current_stream()
         x = torch.arange(1, 33, device="cuda", dtype=torch_dtype)
-        n = x.numel()
 
         for op in OPS:
             y = torch.full_like(x, -7)
-            comm.all_reduce(x.data_ptr(), y.data_ptr(), n, dtype, op, stream)
+            comm.all_reduce(x, y, op, stream=stream)
             torch.cuda.synchronize()
             assert torch.equal(y, x), op
 
         z = x.clone()                                   # in place
-        comm.all_reduce(z.data_ptr(), z.data_ptr(), n, dtype, "sum", stream)
+        comm.all_reduce(z, z, "sum", stream=stream.cuda_stream)
         torch.cuda.synchronize()
         assert torch.equal(z, x)
 
         y = torch.full_like(x, -7)
-        comm.reduce_scatter(x.data_ptr(), y.data_ptr(), n, dtype, "max", stream)
+        comm.reduce_scatter(x, y, "max", stream=stream)
         torch.cuda.synchronize()
         assert torch.equal(y, x)
 
         y = torch.full_like(x, -7)
-        comm.all_gather(x.data_ptr(), y.data_ptr(), n, dtype, stream)
+        comm.all_gather(x, y, stream=stream)
         torch.cuda.synchronize()
         assert torch.equal(y, x)
 
         y = torch.full_like(x, -7)
-        comm.broadcast(x.data_ptr(), y.data_ptr(), n, dtype, 0, stream)
+        comm.broadcast(x, y, 0, stream=stream)
         torch.cuda.synchronize()
         assert torch.equal(y, x)
 
-        # on a side stream, with the legacy default stream (0), and with nothing to do
+        # on a side stream, with the legacy default stream (None), and with nothing to do
         side = torch.cuda.Stream()
         y = torch.full_like(x, -7)
         torch.cuda.synchronize()
-        comm.all_reduce(x.data_ptr(), y.data_ptr(), n, dtype, "min", side.cuda_stream)
+        comm.all_reduce(x, y, "min", stream=side)
         side.synchronize()
         assert torch.equal(y, x)
         y = torch.full_like(x, -7)
         torch.cuda.synchronize()
-        comm.all_reduce(x.data_ptr(), y.data_ptr(), n, dtype, "sum", 0)
+        comm.all_reduce(x, y, "sum")
         torch.cuda.synchronize()
         assert torch.equal(y, x)
-        comm.all_reduce(x.data_ptr(), y.data_ptr(), 0, dtype, "sum", stream)
+        comm.all_reduce(x[:0], y[:0], "sum", stream=stream)
+        # rlhfz device views too
+        view = _C.Buffer(4 * 32, "device").view("float32")
+        comm.all_reduce(view, view, "sum", stream=stream)
 
         assert comm.check() is None
     finally:
@@ -461,12 +594,42 @@ def test_world_size_one_round_trip(nccl, dtype):
     comm.abort()
     assert comm.state == "destroyed"
     with pytest.raises(RuntimeError, match="destroyed"):
-        comm.all_reduce(x.data_ptr(), x.data_ptr(), n, dtype, "sum", stream)
+        comm.all_reduce(x, x, "sum", stream=stream)
     with pytest.raises(RuntimeError, match="destroyed"):
         comm.check()
     # arguments are still checked first
-    with pytest.raises(ValueError, match="count must be >= 0"):
-        comm.all_reduce(x.data_ptr(), x.data_ptr(), -1, dtype, "sum", stream)
+    with pytest.raises(ValueError, match="send has 32 elements but recv has 31"):
+        comm.all_reduce(x, x[:31], "sum", stream=stream)
+
+
+@pytest.mark.gpu
+@needs_torch_cuda
+def test_a_torch_tensor_outlives_the_collective_that_reads_it(nccl):
+    """A collective queued on a stream reads its tensors after the call
+    returns. NcclComm keeps what it borrowed until the collective is done:
+    let go at once, x's block could go to y (torch's cache) while NCCL,
+    held up here by a sleep, still has to read it. (test_nccl_failures has
+    the simulator's twin.)"""
+    import torch
+    if not hasattr(torch.cuda, "_sleep"):
+        pytest.skip("torch.cuda._sleep is not available in this torch")
+    comm = _cuda_comm()
+    try:
+        side = torch.cuda.Stream()
+        n = 1 << 20
+        x = torch.ones(n, device="cuda")
+        out = torch.zeros(n, device="cuda")
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)
+        comm.all_reduce(x, out, "sum", stream=side)
+        del x
+        y = torch.full((n,), 5.0, device="cuda")     # may reuse x's block at once
+        side.synchronize()
+        torch.cuda.synchronize()
+        assert bool((y == 5.0).all()) and bool((out == 1.0).all())
+    finally:
+        comm.destroy()
 
 
 @pytest.mark.gpu
@@ -481,7 +644,7 @@ def test_abort_is_idempotent_and_final(nccl):
     assert comm.state == "aborted"
     x = torch.ones(4, device="cuda")
     with pytest.raises(RuntimeError, match=r"aborted by abort\(\)"):
-        comm.broadcast(x.data_ptr(), x.data_ptr(), 4, "float32", 0, 0)
+        comm.broadcast(x, x, 0)
 
 
 @pytest.mark.gpu
@@ -517,26 +680,31 @@ def test_leaked_comm_warns_and_does_not_block(nccl):
 @needs_torch_cuda
 def test_nccl_error_aborts_the_comm(nccl):
     # With NCCL_CHECK_POINTERS=1 NCCL validates pointers itself: a pageable
-    # host pointer is an ncclInvalidArgument, which must abort the communicator.
+    # host pointer is an ncclInvalidArgument, which must abort the
+    # communicator. rlhfz refuses host memory itself, so the host pointer
+    # comes in a capsule that claims to be CUDA memory.
+    tests = os.path.dirname(os.path.abspath(__file__))
     proc = _run_child(f"""
-        import json
+        import json, sys
+        import numpy as np
         import torch
+        sys.path.insert(0, {tests!r})
+        from dlpack_handmade import Handmade
         from rlhfz import _C
         _C.nccl_load({nccl!r})
         torch.cuda.set_device(0)
         comm = _C.NcclComm(_C.nccl_unique_id(), 1, 0, 0)
-        host = torch.ones(64)
+        host = Handmade(np.ones(64, dtype=np.float32), shape=(64,), device=(2, 0))
         device = torch.zeros(64, device="cuda")
         try:
-            comm.all_reduce(host.data_ptr(), device.data_ptr(), 64, "float32", "sum",
-                            torch.cuda.current_stream().cuda_stream)
+            comm.all_reduce(host.capsule, device, "sum", stream=torch.cuda.current_stream())
             torch.cuda.synchronize()
             result = {{"raised": None}}
         except RuntimeError as error:
             result = {{"raised": str(error)}}
         result["state"] = comm.state
         try:
-            comm.all_reduce(device.data_ptr(), device.data_ptr(), 64, "float32", "sum", 0)
+            comm.all_reduce(device, device, "sum")
             result["after"] = None
         except RuntimeError as error:
             result["after"] = str(error)
@@ -573,34 +741,34 @@ TWO_RANKS = """
             time.sleep(0.05)
         uid = open(id_file, "rb").read()
     comm = _C.NcclComm(uid, 2, rank, rank)
-    stream = torch.cuda.current_stream().cuda_stream
+    stream = torch.cuda.current_stream()
     checks = {}
     for name in ("float32", "bfloat16", "float16"):
         dtype = getattr(torch, name)
         x = torch.full((8,), float(rank + 1), device="cuda", dtype=dtype)
         for op, want in (("sum", 3.0), ("avg", 1.5), ("max", 2.0), ("min", 1.0)):
             y = torch.empty_like(x)
-            comm.all_reduce(x.data_ptr(), y.data_ptr(), 8, name, op, stream)
+            comm.all_reduce(x, y, op, stream=stream)
             torch.cuda.synchronize()
             checks[f"all_reduce {op} {name}"] = bool((y == want).all())
         send = torch.arange(8, device="cuda", dtype=dtype) + 10 * rank
         y = torch.empty(4, device="cuda", dtype=dtype)
-        comm.reduce_scatter(send.data_ptr(), y.data_ptr(), 4, name, "sum", stream)
+        comm.reduce_scatter(send, y, "sum", stream=stream)
         torch.cuda.synchronize()
         want = (2 * torch.arange(8, dtype=torch.float32) + 10)[4 * rank:4 * rank + 4]
         checks[f"reduce_scatter {name}"] = bool((y.float().cpu() == want).all())
         mine = torch.full((4,), float(rank), device="cuda", dtype=dtype)
         y = torch.empty(8, device="cuda", dtype=dtype)
-        comm.all_gather(mine.data_ptr(), y.data_ptr(), 4, name, stream)
+        comm.all_gather(mine, y, stream=stream)
         torch.cuda.synchronize()
         checks[f"all_gather {name}"] = y.float().cpu().tolist() == [0.0] * 4 + [1.0] * 4
         y = torch.full((8,), -1.0, device="cuda", dtype=dtype)     # in place: this rank's slot
         y[4 * rank:4 * rank + 4] = rank + 5
-        comm.all_gather(y[4 * rank:].data_ptr(), y.data_ptr(), 4, name, stream)
+        comm.all_gather(y[4 * rank:4 * rank + 4], y, stream=stream)
         torch.cuda.synchronize()
         checks[f"all_gather in place {name}"] = y.float().cpu().tolist() == [5.0] * 4 + [6.0] * 4
         y = torch.full((8,), float(rank + 40), device="cuda", dtype=dtype)
-        comm.broadcast(y.data_ptr(), y.data_ptr(), 8, name, 1, stream)
+        comm.broadcast(y if rank == 1 else None, y, 1, stream=stream)
         torch.cuda.synchronize()
         checks[f"broadcast {name}"] = bool((y == 41).all())
     comm.check()

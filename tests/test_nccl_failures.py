@@ -203,14 +203,26 @@ def test_unusual_argument_objects_are_refused():
     with pytest.raises(TypeError, match=r"_unconnected\(\) missing required argument 'rank'"):
         _C.NcclComm._unconnected(2)
 
-    class BadIndex:
-        def __index__(self):
-            raise ArithmeticError("no address here")
+    class BadProducer:
+        def __dlpack_device__(self):
+            return (2, 0)
+
+        def __dlpack__(self, **kwargs):
+            raise ArithmeticError("no tensor here")
+
+    class BadStream:
+        @property
+        def cuda_stream(self):
+            raise ArithmeticError("no stream here")
     comm = _C.NcclComm._unconnected(2, 1)
-    with pytest.raises(ArithmeticError, match="no address here"):
-        comm.all_reduce(BadIndex(), 4096, 4, "float32", "sum", 0)
-    with pytest.raises(ArithmeticError, match="no address here"):
-        comm.broadcast(4096, 8192, 4, "float32", 0, BadIndex())
+    view = _C.Buffer(64, "device").view("float32")
+    # what the objects raise goes through unchanged
+    with pytest.raises(ArithmeticError, match="no tensor here"):
+        comm.all_reduce(BadProducer(), view, "sum")
+    with pytest.raises(ArithmeticError, match="no tensor here"):
+        comm.broadcast(view, BadProducer(), 0)
+    with pytest.raises(ArithmeticError, match="no stream here"):
+        comm.broadcast(view, view, 0, stream=BadStream())
     assert comm.state == "unconnected"
 
 
@@ -219,7 +231,7 @@ def test_unusual_argument_objects_are_refused():
 LIFECYCLE = r'''
 out = {}
 buf = _C.Buffer(4 * 64, "device")
-args = (buf.address, buf.address, 64, "float32")
+args = (buf.view("float32"), buf.view("float32"))
 
 def connect(device=0):
     return _C.NcclComm(_C.nccl_unique_id(), 1, 0, device)
@@ -227,11 +239,11 @@ def connect(device=0):
 # destroy, then everything else
 comm = connect()
 out["alive"] = comm.state
-comm.all_reduce(*args, "sum", 0)
+comm.all_reduce(*args, "sum", stream=0)
 comm.check()
 comm.destroy()
 out["destroyed"] = comm.state
-out["reduce_after_destroy"] = raised(lambda: comm.all_reduce(*args, "sum", 0))
+out["reduce_after_destroy"] = raised(lambda: comm.all_reduce(*args, "sum", stream=0))
 out["check_after_destroy"] = raised(comm.check)
 comm.abort()
 comm.destroy()
@@ -241,7 +253,7 @@ out["destroyed_still"] = comm.state
 comm = connect()
 comm.abort()
 out["aborted"] = comm.state
-out["broadcast_after_abort"] = raised(lambda: comm.broadcast(*args, 0, 0))
+out["broadcast_after_abort"] = raised(lambda: comm.broadcast(*args, 0, stream=0))
 comm.destroy()
 comm.abort()
 out["aborted_still"] = comm.state
@@ -250,10 +262,10 @@ out["aborted_still"] = comm.state
 comm = connect()
 stream = _C.CudaStream(0)
 _C.cuda_sim_inject("cudaLaunchHostFunc:1")
-out["queue_failure"] = raised(lambda: comm.all_reduce(*args, "sum", stream.handle))
+out["queue_failure"] = raised(lambda: comm.all_reduce(*args, "sum", stream=stream))
 _C.cuda_sim_inject("")
 out["queue_failure_state"] = comm.state
-out["after_queue_failure"] = raised(lambda: comm.all_reduce(*args, "sum", stream.handle))
+out["after_queue_failure"] = raised(lambda: comm.all_reduce(*args, "sum", stream=stream))
 stream.synchronize()
 
 # init cannot ask the runtime for the current device
@@ -341,6 +353,66 @@ def test_communicator_lifecycle_and_errors():
     assert kind == "ResourceWarning" and "was never destroyed" in text
 
 
+KEPT_BORROWS = r"""
+import torch
+comm = _C.NcclComm(_C.nccl_unique_id(), 1, 0, 0)
+stream = _C.CudaStream(0)
+n = 1024
+buf, out_buf = _C.Buffer(4 * n, "device"), _C.Buffer(4 * n, "device")
+floats(buf)[:] = 2.0
+views = (out_buf.view("float32"), out_buf.view("float32"))
+out = {}
+
+def collective_on_a_tensor(**kwargs):
+    # torch's CPU tensor over the host alias: device memory on the simulator,
+    # borrowed through DLPack; its exports count says whether it is still held
+    tensor = torch.from_dlpack(buf.view("float32"))
+    comm.all_reduce(tensor, out_buf.view("float32"), "sum", **kwargs)
+
+# the stream is held: the collective waits, and so does the borrowed tensor
+token = _C.cuda_sim_hold(stream)
+collective_on_a_tensor(stream=stream)
+gc.collect()
+out["held_while_queued"] = buf.exports
+_C.cuda_sim_release(token)
+stream.synchronize()
+comm.all_reduce(*views, "sum", stream=stream)        # the next call lets go of what is done
+out["after_the_next_call"] = buf.exports
+out["result"] = bool((floats(out_buf) == 2.0).all())
+
+# the same, let go by cuda_synchronize
+token = _C.cuda_sim_hold(stream)
+collective_on_a_tensor(stream=stream)
+_C.cuda_sim_release(token)
+_C.cuda_synchronize(0)
+out["after_synchronize"] = buf.exports
+
+# refused by NCCL: nothing is queued, so nothing is kept
+_C.cuda_sim_inject("cudaLaunchHostFunc:1")
+out["refused"] = raised(lambda: collective_on_a_tensor(stream=stream))
+_C.cuda_sim_inject("")
+gc.collect()
+out["after_refusal"] = buf.exports
+out["state"] = comm.state
+print(json.dumps(out))
+"""
+
+
+def test_a_borrowed_tensor_is_kept_until_its_collective_is_done():
+    """The simulator's twin of test_nccl's GPU test: a tensor NcclComm
+    borrowed through DLPack stays alive (its producer's export is not
+    released) until the event recorded after the collective is done, and is
+    let go at the next call or synchronize; a refused collective keeps
+    nothing."""
+    out = run_child(KEPT_BORROWS)
+    assert out["held_while_queued"] == 1
+    assert out["after_the_next_call"] == 0 and out["result"] is True
+    assert out["after_synchronize"] == 0
+    kind, text = out["refused"]
+    assert kind == "RuntimeError" and "ncclAllReduce (NcclComm.all_reduce" in text
+    assert out["after_refusal"] == 0 and out["state"] == "aborted"
+
+
 TWO_RANKS = r'''
 import threading
 rank, folder = int(sys.argv[1]), sys.argv[2]
@@ -367,6 +439,7 @@ else:
 comm = _C.NcclComm(uid, 2, rank, 0)
 n = 256
 buf = _C.Buffer(4 * n, "device")
+data, nothing = buf.view("float32"), buf.view("float32", 0, (0,))
 x = floats(buf)
 x[:] = rank + 1
 out = {"segment": segment(uid)}
@@ -380,7 +453,7 @@ if rank == 0:
         # a probe below may be inside for an instant: then try again
         while True:
             try:
-                comm.all_reduce(buf.address, buf.address, n, "float32", "sum", 0)
+                comm.all_reduce(data, data, "sum")
                 inside["done"] = True
                 return
             except RuntimeError as error:
@@ -394,7 +467,7 @@ if rank == 0:
     refused, deadline = None, time.monotonic() + 20
     while refused is None and time.monotonic() < deadline:
         # a call with nothing to do gets as far as the check, and no further
-        refused = raised(lambda: comm.all_reduce(buf.address, buf.address, 0, "float32", "sum", 0))
+        refused = raised(lambda: comm.all_reduce(nothing, nothing, "sum"))
         time.sleep(0.01)
     out["second_collective"] = refused
     out["destroy_inside"] = raised(comm.destroy)
@@ -404,15 +477,15 @@ if rank == 0:
     out["inside"] = inside
 else:
     wait_for("go")
-    comm.all_reduce(buf.address, buf.address, n, "float32", "sum", 0)
+    comm.all_reduce(data, data, "sum")
 out["reduced"] = bool((x == 3).all())
 comm.check()
 
 # the ranks disagree on the count: NCCL notices it on the stream, and destroy
 # then aborts instead of waiting, and says why
 stream = _C.CudaStream(0)
-comm.all_reduce(buf.address, buf.address, n if rank == 0 else n // 2, "float32", "sum",
-                stream.handle)
+part = data if rank == 0 else buf.view("float32", 0, (n // 2,))
+comm.all_reduce(part, part, "sum", stream=stream)
 stream.synchronize()
 out["destroy_after_async_error"] = raised(comm.destroy)
 out["state"] = comm.state

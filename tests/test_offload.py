@@ -16,6 +16,7 @@ import torch
 
 import rlhfz
 from rlhfz import migrate
+from rlhfz.engine import host_memory
 from state_snapshots import assert_same, resident_kib, snapshot
 
 WHATS = [combo for r in (1, 2, 3) for combo in itertools.combinations(
@@ -276,14 +277,14 @@ def test_host_resident_state_steps_bitwise_like_the_plain_optimizer(ratio, dtype
         train_step(plain, plain_opt, step)
         train_step(hosted, hosted_opt, step)
     assert_same(snapshot(plain, plain_opt), snapshot(hosted, hosted_opt))
-    shard = sum(b.layout.shard_numel for b in hosted_opt._buckets)
-    host = sum(b.layout.shard_numel - b.split for b in hosted_opt._buckets)
-    assert abs(host - ratio * shard) <= len(hosted_opt._buckets)
+    shard = sum(b.layout.shard_numel for b in hosted_opt.engine.buckets)
+    host = sum(b.layout.shard_numel - b.shard.split for b in hosted_opt.engine.buckets)
+    assert abs(host - ratio * shard) <= len(hosted_opt.engine.buckets)
     report = hosted_opt.memory_report()
     assert report["exp_avg"]["host"] == 4 * shard         # both parts are host memory here
     if 0 < ratio < 1:
         # some param's state crosses the split: its state tensors are kept current
-        assert any(b.stitched for b in hosted_opt._buckets)
+        assert any(b.state.stitched for b in hosted_opt.engine.buckets)
 
 
 def test_host_resident_state_loads_and_saves_in_torch_format():
@@ -329,23 +330,23 @@ class _PinningRefused:
 
 
 def test_a_refused_pin_falls_back_to_pageable_memory(monkeypatch):
-    fake = _PinningRefused(migrate._C)
-    monkeypatch.setattr(migrate, "_C", fake)
-    monkeypatch.setattr(migrate._Pinned, "noticed", False)
+    fake = _PinningRefused(host_memory._C)
+    monkeypatch.setattr(host_memory, "_C", fake)
+    monkeypatch.setattr(host_memory.PinnedPool, "noticed", False)
     with pytest.warns(RuntimeWarning, match="pinning 4096 bytes failed .* pageable"):
-        buffer = migrate.host_buffer(4096, True)
+        buffer = host_memory.host_buffer(4096, True)
     assert buffer.tier == "host" and fake.pinned_asks == 1
-    assert migrate.host_buffer(64, False).tier == "host" and fake.pinned_asks == 1
+    assert host_memory.host_buffer(64, False).tier == "host" and fake.pinned_asks == 1
 
 
 def test_auto_pinning_stops_at_its_budget(monkeypatch):
-    fake = _PinningRefused(migrate._C)
-    monkeypatch.setattr(migrate, "_C", fake)
-    monkeypatch.setattr(migrate._Pinned, "noticed", False)
+    fake = _PinningRefused(host_memory._C)
+    monkeypatch.setattr(host_memory, "_C", fake)
+    monkeypatch.setattr(host_memory.PinnedPool, "noticed", False)
     monkeypatch.setenv("RLHFZ_PIN_BUDGET_BYTES", "1000")
-    assert migrate.pin_budget() == 1000
+    assert host_memory.pin_budget() == 1000
     with pytest.warns(RuntimeWarning, match="at its budget \\(1000 bytes"):
-        buffer = migrate.host_buffer(4096, "auto")
+        buffer = host_memory.host_buffer(4096, "auto")
     assert buffer.tier == "host" and fake.pinned_asks == 0      # not even tried
     monkeypatch.delenv("RLHFZ_PIN_BUDGET_BYTES")
-    assert 0 < migrate.pin_budget() <= migrate._available_ram()
+    assert 0 < host_memory.pin_budget() <= host_memory._available_ram()

@@ -8,6 +8,7 @@ the simulated CUDA runtime (tests/device_support.py), whose count of free
 device memory is exact, and where injected runtime failures check that a
 failed move leaves everything where it was.
 """
+import gc
 import threading
 
 import pytest
@@ -215,6 +216,11 @@ def test_a_non_blocking_offload_returns_with_its_copies_in_flight():
     before = snapshot(model, opt)
     owned = sum(per_tier["device"] for per_tier in opt.memory_report().values())
     free_before, _ = mem_get_info()
+    # While the stream is held, any cudaFree (which synchronizes the device)
+    # would wait for it forever: garbage of earlier tests holding device
+    # memory must not be collected in that window.
+    gc.collect()
+    gc.disable()
     token = _C.cuda_sim_hold(opt.backend.copy_stream())
     returned = threading.Event()
     mover = threading.Thread(target=lambda: (opt.offload(non_blocking=True), returned.set()))
@@ -225,6 +231,7 @@ def test_a_non_blocking_offload_returns_with_its_copies_in_flight():
         assert mem_get_info()[0] < free_before + owned     # still held: the copies read it
     finally:
         _C.cuda_sim_release(token)
+        gc.enable()
         mover.join()
     opt.synchronize()
     assert mem_get_info()[0] >= free_before + owned

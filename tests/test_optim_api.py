@@ -34,9 +34,9 @@ def test_is_a_torch_optimizer_with_adamw_defaults():
 def test_params_and_grads_are_views_into_one_bucket():
     model = _model()
     opt = rlhfz.ZeroAdamW(model.parameters(), lr=1e-3)
-    bucket, = opt._buckets
-    base = bucket.param_buffer.address
-    end = base + bucket.param_buffer.nbytes
+    bucket, = opt.engine.buckets
+    base = bucket.storage.buffers["param"].address
+    end = base + bucket.storage.buffers["param"].nbytes
     for p in model.parameters():
         assert base <= p.data_ptr() < end
     gen = torch.Generator().manual_seed(0)
@@ -46,14 +46,14 @@ def test_params_and_grads_are_views_into_one_bucket():
     for _ in range(2):
         model(torch.randn(4, 13, generator=gen)).sum().backward()
         assert [p.grad.data_ptr() for p in model.parameters()] == pointers
-    gbase = bucket.grad_buffer.address
-    assert all(gbase <= ptr < gbase + bucket.grad_buffer.nbytes for ptr in pointers)
+    gbase = bucket.storage.buffers["grad"].address
+    assert all(gbase <= ptr < gbase + bucket.storage.buffers["grad"].nbytes for ptr in pointers)
 
 
 def test_set_to_none_then_backward_lands_grads_in_the_bucket():
     model = _model()
     opt = rlhfz.ZeroAdamW(model.parameters(), lr=1e-3)
-    bucket, = opt._buckets
+    bucket, = opt.engine.buckets
     opt.zero_grad(set_to_none=True)
     assert all(p.grad is None for p in model.parameters())
     model(torch.randn(4, 13)).sum().backward()
@@ -86,7 +86,7 @@ def test_assigned_grad_is_adopted_at_step():
     q.grad = torch.arange(5.0)
     opt.step()
     ref.step()
-    assert p.grad is opt._buckets[0].grad_views[0]
+    assert p.grad is opt.engine.buckets[0].grad_views[0]
     torch.testing.assert_close(p.detach(), q.detach())
 
 
@@ -96,7 +96,7 @@ def test_add_param_group_later():
     later = list(model[2].parameters())
     opt = rlhfz.ZeroAdamW(first, lr=1e-3)
     opt.add_param_group({"params": later, "lr": 1e-2, "weight_decay": 0.0})
-    assert len(opt.param_groups) == 2 and len(opt._buckets) == 2
+    assert len(opt.param_groups) == 2 and len(opt.engine.buckets) == 2
     assert opt.param_groups[1]["lr"] == 1e-2
     assert opt.param_groups[1]["betas"] == (0.9, 0.999)
     ref_model = _model()
@@ -318,6 +318,6 @@ def test_devices_and_collectives_are_checked():
 
 @pytest.mark.skipif(rlhfz.build_info()["cuda"], reason="a CUDA device is usable here")
 def test_cuda_params_without_a_usable_device_say_why():
-    from rlhfz.backends import CudaBackend
+    from rlhfz.engine import CudaBackend
     with pytest.raises(RuntimeError, match="parameters are on cuda:0, but rlhfz cannot use CUDA"):
         CudaBackend(torch.device("cuda", 0))

@@ -154,7 +154,7 @@ def test_mixed_dtypes_in_one_group_get_one_bucket_each():
     p32 = torch.nn.Parameter(torch.randn(10))
     p16 = torch.nn.Parameter(torch.randn(10).bfloat16())
     opt = rlhfz.ZeroAdamW([p32, p16], lr=1e-2)
-    assert len(opt._buckets) == 2
+    assert len(opt.engine.buckets) == 2
     p32.grad = torch.ones(10)
     p16.grad = torch.ones(10, dtype=torch.bfloat16)
     before32, before16 = p32.detach().clone(), p16.detach().clone()

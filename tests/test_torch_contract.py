@@ -196,3 +196,97 @@ def test_a_shallow_copy_is_refused():
     _, opt = _model_and(rlhfz.ZeroAdamW)
     with pytest.raises(TypeError, match="shallow copy"):
         copy.copy(opt)
+
+
+# ---- clip_grad_norm_, step hooks, param groups, the state mapping ------------------------------
+
+def _grads_set(params, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen) * 3
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.5, float("inf"), "inf"])
+def test_clip_grad_norm_takes_what_torch_takes(norm_type, stage):
+    model, opt = _model_and(rlhfz.ZeroAdamW, stage=stage)
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
+    _grads_set(model.parameters())
+    _grads_set(reference)
+    for foreach in (None, False):
+        expected = torch.nn.utils.clip_grad_norm_(reference, 0.5, norm_type=norm_type,
+                                                  error_if_nonfinite=True, foreach=foreach)
+        got = opt.clip_grad_norm_(0.5, norm_type=norm_type, error_if_nonfinite=True,
+                                  foreach=foreach)
+        torch.testing.assert_close(got, expected.float(), rtol=1e-5, atol=0)
+        for p, q in zip(model.parameters(), reference):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_step_hooks_run_as_in_torch():
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    outcomes = []
+    for cls in (torch.optim.AdamW, rlhfz.ZeroAdamW):
+        model, opt = _model_and(cls)
+        calls = []
+
+        def seen(when):
+            # torch passes the step's own arguments, the optimizer first
+            return lambda o, args, kwargs: calls.append((when, args[0] is o, args[1:], kwargs))
+        opt.register_step_pre_hook(seen("pre"))
+        opt.register_step_post_hook(seen("post"))
+        handle = register_optimizer_step_post_hook(lambda o, a, k: calls.append("global"))
+        try:
+            _grads_set(model.parameters())
+            opt.step()
+            opt.step(closure=None)
+        finally:
+            handle.remove()
+        outcomes.append(calls)
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[1][:3] == [("pre", True, (), {}), ("post", True, (), {}), "global"]
+    assert outcomes[1][3:] == [("pre", True, (), {"closure": None}),
+                               ("post", True, (), {"closure": None}), "global"]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_add_param_group_after_construction_trains_as_torch(stage):
+    trained = []
+    for cls, options in ((torch.optim.AdamW, {}), (rlhfz.ZeroAdamW, {"stage": stage})):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+        model[2].requires_grad_(False)
+        opt = cls(model if stage == 3 and cls is rlhfz.ZeroAdamW else
+                  [p for p in model.parameters() if p.requires_grad], lr=0.01, **options)
+        _steps(model, opt, 2)
+        model[2].requires_grad_(True)
+        opt.add_param_group({"params": list(model[2].parameters()), "lr": 0.05,
+                             "weight_decay": 0.0})
+        _steps(model, opt, 3, seed=1)
+        assert len(opt.param_groups) == 2 and opt.param_groups[1]["lr"] == 0.05
+        trained.append([p.detach().clone() for p in model.parameters()])
+    for ours, theirs in zip(trained[1], trained[0]):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_optimizer_state_is_a_mapping_as_torch_keeps_it():
+    seen = []
+    for cls in (torch.optim.AdamW, rlhfz.ZeroAdamW):
+        model, opt = _model_and(cls)
+        first = list(model.parameters())
+        assert len(opt.state) == 0 and first[0] not in opt.state
+        assert opt.state[first[0]] == {}                 # a defaultdict, as torch's
+        del opt.state[first[0]]
+        for p in first[:2]:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        keys = list(opt.state)
+        assert keys == first[:2], cls                     # in the order they first stepped
+        assert set(opt.state[first[0]]) >= {"step", "exp_avg", "exp_avg_sq"}
+        assert opt.state[first[0]]["exp_avg"].shape == first[0].shape
+        assert dict(opt.state.items()).keys() == set(first[:2])
+        seen.append({k: {name: v.clone() for name, v in entry.items() if name != "master_param"}
+                     for k, entry in zip(range(2), opt.state.values())})
+    for ours, theirs in zip(seen[1].values(), seen[0].values()):
+        for name in theirs:
+            torch.testing.assert_close(ours[name], theirs[name])

@@ -67,7 +67,7 @@ def train(trainer_kind, steps, optimizer, gather=True, stage=2, sleep=False, out
            "accelerator": type(trainer.accelerator).__name__}
     if optimizer == "zero":
         out["placement"] = opt.placement()
-        out["steps"] = max(int(b.steps.max()) for b in opt._buckets)
+        out["steps"] = max(int(b.steps.max()) for b in opt.engine.buckets)
         opt.close()
     return out
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 
-from ..generation import _unwrap, gather_for_generation
+from ..generation import gather_for_generation, unwrap_model
 
 
 @contextlib.contextmanager
@@ -34,8 +34,8 @@ def _generation_config(model, generation_kwargs):
 @contextlib.contextmanager
 def unwrap_model_for_generation(model, accelerator=None, gather_deepspeed3_params: bool = True,
                                 generation_kwargs: dict | None = None):
-    unwrapped = accelerator.unwrap_model(model) if accelerator is not None else _unwrap(model)
-    unwrapped = _unwrap(unwrapped)
+    unwrapped = accelerator.unwrap_model(model) if accelerator is not None else unwrap_model(model)
+    unwrapped = unwrap_model(unwrapped)
     checkpointing = bool(getattr(unwrapped, "is_gradient_checkpointing", False))
     if checkpointing:
         unwrapped.gradient_checkpointing_disable()

@@ -13,8 +13,8 @@ starts (build_info() loads NCCL at import), naming the NCCL stand-in.
 
 --coverage builds with gcov instrumentation (under build/sim-coverage) and
 Python coverage of every process, then reports both: line coverage of the
-CUDA-facing C (csrc/cuda_*.c, memory_tiers.c, nccl_comm.c), of the device
-code (kernels/*.cu), and of the simulated runtime, with each uncovered
+CUDA-facing C (csrc/cuda_*.c, memory_tiers.c, nccl_comm.c, nccl_library.c), of
+the device code (kernels/*.cu), and of the simulated runtime, with each uncovered
 line listed in build/sim-coverage/uncovered.txt.
 --chaos SEED sets RLHFZ_SIM_CHAOS: random delays on every stream.
 --chaos-seeds "1 2 ..." runs the tests once per seed and lists each run's
@@ -36,9 +36,11 @@ VENV = os.environ.get("RLHFZ_SIM_VENV") or os.path.join(ROOT, "build", "sim-venv
 DEFAULT_TESTS = ["tests/test_sim_runtime.py"]
 # What the coverage figures are of: the C that talks to CUDA and NCCL, and the device code.
 C_COVERED = [r"csrc/cuda_.*\.c", r"csrc/memory_tiers\.c", r"csrc/nccl_comm\.c",
-             r"kernels/.*\.cu", r"kernels/.*\.cuh"]
+             r"csrc/nccl_library\.c", r"kernels/.*\.cu", r"kernels/.*\.cuh"]
 SIM_COVERED = [r"sim/runtime/.*\.cpp", r"sim/nccl/.*\.cpp"]
-PYTHON_COVERED = ["backends.py", "nccl.py", "migrate.py", "optim.py", "reducer.py", "buckets.py"]
+PYTHON_COVERED = ["engine/backends.py", "engine/bucket.py", "engine/engine.py",
+                  "engine/storage.py", "engine/state.py", "comm/nccl_engine.py",
+                  "comm/torch_engine.py", "migrate.py", "optim.py", "reducer.py"]
 
 
 def _say(*args):

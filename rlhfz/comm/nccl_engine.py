@@ -1,9 +1,10 @@
-"""rlhfz's own NCCL communicator: collectives on rlhfz's stream, in C.
+"""The native NCCL data engine: collectives on rlhfz's stream, in C.
 
 torch.distributed stays the default engine and the fallback
 (ZeroAdamW(collectives="torch")). With collectives="nccl" the data
 collectives (reduce-scatter, all-gather, all-reduce) go through
-rlhfz._C.NcclComm on device buffers instead:
+rlhfz._C.NcclComm on device tensors instead, which it borrows through
+DLPack and checks (dtype, device, sizes, overlap) as the kernels do:
 
 - libnccl.so.2 is loaded once, preferring the copy torch already loaded,
   then $RLHFZ_NCCL_LIBRARY, then the nvidia-nccl wheel's;
@@ -12,7 +13,8 @@ rlhfz._C.NcclComm on device buffers instead:
 - each collective runs on rlhfz's own CUDA stream: it first waits (an
   event, no host block) for the work torch's current stream has queued,
   and the returned work's wait() makes torch's current stream wait for the
-  collective in turn;
+  collective in turn; NcclComm keeps the tensors it borrowed until the
+  collective is done on that stream;
 - NCCL never gives up on a peer that died: its kernels wait for it, and so
   does the host when it next synchronizes. A watchdog thread therefore
   watches every collective in flight and NCCL's asynchronous error; past
@@ -21,9 +23,9 @@ rlhfz._C.NcclComm on device buffers instead:
   CollectiveError;
 - destroy() is explicit, never left to a destructor.
 
-Agreement, presence masks and norms stay on the gloo control group, as with
+Agreement, presence masks and norms stay on the gloo control plane, as with
 the torch engine. Every CUDA call goes through the device backend
-(backends.py), so the same code runs on the simulated runtime.
+(engine/backends.py), so the same code runs on the simulated runtime.
 """
 from __future__ import annotations
 
@@ -31,51 +33,50 @@ import threading
 import time
 
 import torch
-import torch.distributed as dist
 
-from . import _C
-from .comm import CollectiveError, CollectiveMismatchError, Communicator, collective_timeout
+from .. import _C
+from .control import CollectiveError, CollectiveMismatchError, ControlPlane, collective_timeout
 from .nccl_library import load
 
-_NCCL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+def _name(tensor: torch.Tensor) -> str:
+    """The dtype as NCCL messages name it: float32, not torch.float32."""
+    return str(tensor.dtype).removeprefix("torch.")
 
 
 class _NativeWork:
     """A collective queued on rlhfz's stream; wait() joins it to torch's
     current stream (no host block) and raises what the watchdog found."""
 
-    def __init__(self, comm: "NativeNcclCommunicator", done, keep):
-        self.comm, self.done, self.keep = comm, done, keep
+    def __init__(self, comm: "NcclEngine", done):
+        self.comm, self.done = comm, done
 
     def wait(self) -> None:
         if self.done is None:
             return
         self.done.wait(self.comm.torch_stream())
-        # the tensors stay referenced until the collective is over: the
-        # watchdog drops them when it sees the event done
-        self.done = self.keep = None
+        self.done = None
         self.comm.raise_if_failed()
 
 
 class _Watchdog:
     """Watches a communicator's collectives in flight (each with the event
-    recorded after it, and the tensors it reads and writes, kept alive until
-    that event is done) and its asynchronous error."""
+    recorded after it) and its asynchronous error."""
 
     POLL_S = 0.05
 
-    def __init__(self, comm: "NativeNcclCommunicator"):
+    def __init__(self, comm: "NcclEngine"):
         self.comm = comm
         self.lock = threading.Lock()
-        self.in_flight: list[tuple] = []       # (done event, started, what, tensors)
+        self.in_flight: list[tuple] = []       # (done event, started, what)
         self.error: CollectiveError | None = None
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="rlhfz-nccl-watchdog", daemon=True)
         self.thread.start()
 
-    def watch(self, done, what: str, keep) -> None:
+    def watch(self, done, what: str) -> None:
         with self.lock:
-            self.in_flight.append((done, time.monotonic(), what, keep))
+            self.in_flight.append((done, time.monotonic(), what))
 
     def _run(self) -> None:
         while not self.stopping.wait(self.POLL_S):
@@ -113,9 +114,7 @@ class _Watchdog:
     def _fail(self, what: str) -> None:
         with self.lock:
             if self.error is None:
-                self.error = CollectiveError(
-                    f"rank {self.comm.rank}: {what}. The ranks cannot go on together: restart "
-                    f"them and resume from the last checkpoint.")
+                self.error = self.comm.control.lost(what)
 
     def busy(self) -> bool:
         with self.lock:
@@ -128,22 +127,22 @@ class _Watchdog:
             self.thread.join()
 
 
-class NativeNcclCommunicator(Communicator):
-    def __init__(self, process_group, backend):
-        super().__init__(process_group)
+class NcclEngine:
+    """rlhfz._C.NcclComm over the ranks of a control plane, on one device."""
+
+    def __init__(self, control: ControlPlane, backend):
         if backend is None or backend.tier != "device":
             raise ValueError("the native NCCL communicator needs params on a CUDA device")
+        self.control = control
+        self.rank, self.world_size = control.rank, control.world_size
         self.backend = backend
         self.index = backend.index
         load()
-        unique_id = [_C.nccl_unique_id() if self.rank == 0 else None]
-        try:
-            dist.broadcast_object_list(unique_id, src=self._global[0], group=self._control)
-        except RuntimeError as error:
-            raise self._absent("NcclComm bootstrap", error) from error
+        unique_id = control.broadcast_object(_C.nccl_unique_id() if self.rank == 0 else None,
+                                             "NcclComm bootstrap")
         # NCCL binds a communicator to the device current at init.
         with backend.device_guard():
-            self.nccl = _C.NcclComm(unique_id[0], self.world_size, self.rank, self.index)
+            self.nccl = _C.NcclComm(unique_id, self.world_size, self.rank, self.index)
         self.stream = _C.CudaStream(self.index)
         self.watchdog = _Watchdog(self)
 
@@ -154,62 +153,44 @@ class NativeNcclCommunicator(Communicator):
         if self.watchdog.error is not None:
             raise self.watchdog.error
 
-    def _run(self, launch, keep, what: str, async_op: bool):
+    def _run(self, launch, what: str, async_op: bool):
+        """launch(stream) queues the collective on rlhfz's stream, after the
+        work torch's current stream has queued so far."""
         self.raise_if_failed()
         if not self.nccl.alive:
             raise CollectiveMismatchError(f"the NCCL communicator is {self.nccl.state}")
         ready = _C.CudaEvent(self.index)
         ready.record(self.torch_stream())
         ready.wait(self.stream)
-        launch(self.stream.handle)
+        launch(self.stream)
         done = _C.CudaEvent(self.index)
         done.record(self.stream)
-        self.watchdog.watch(done, what, keep)
-        work = _NativeWork(self, done, keep)
+        self.watchdog.watch(done, what)
+        work = _NativeWork(self, done)
         if async_op:
             return work
         work.wait()
         return None
 
-    def _address(self, tensor: torch.Tensor) -> tuple[int, str]:
-        if tensor.dtype not in _NCCL_DTYPES:
-            raise TypeError(f"the native NCCL path carries float32, bfloat16 and float16, "
-                            f"not {tensor.dtype}")
-        if not tensor.is_contiguous():
-            raise ValueError("the native NCCL path needs contiguous device tensors")
-        try:
-            return self.backend.device_address(tensor), _NCCL_DTYPES[tensor.dtype]
-        except ValueError as error:
-            raise ValueError(f"the native NCCL path needs contiguous device tensors: "
-                             f"{error}") from None
+    # NcclComm checks the tensors (dtype, device, sizes, overlap) and raises
+    # what is wrong; detach(): torch exports no tensor that requires grad.
 
     def reduce_scatter(self, shard_out: torch.Tensor, full_in: torch.Tensor,
                        async_op: bool = False):
-        send, dtype = self._address(full_in)
-        recv, _ = self._address(shard_out)
-        if shard_out.dtype != full_in.dtype or full_in.numel() != shard_out.numel() * self.world_size:
-            raise ValueError("reduce_scatter: full_in must hold world_size shards of shard_out's "
-                             "dtype")
-        return self._run(lambda stream: self.nccl.reduce_scatter(
-            send, recv, shard_out.numel(), dtype, "avg", stream),
-            (shard_out, full_in), f"reduce_scatter of {full_in.numel()} {dtype} elements",
-            async_op)
+        send, recv = full_in.detach(), shard_out.detach()
+        return self._run(lambda stream: self.nccl.reduce_scatter(send, recv, "avg", stream=stream),
+                         f"reduce_scatter of {full_in.numel()} {_name(full_in)} elements", async_op)
 
     def all_gather(self, full_out: torch.Tensor, shard_in: torch.Tensor,
                    async_op: bool = False):
-        recv, dtype = self._address(full_out)
-        send, _ = self._address(shard_in)
-        if shard_in.dtype != full_out.dtype or full_out.numel() != shard_in.numel() * self.world_size:
-            raise ValueError("all_gather: full_out must hold world_size shards of shard_in's dtype")
-        return self._run(lambda stream: self.nccl.all_gather(
-            send, recv, shard_in.numel(), dtype, stream),
-            (full_out, shard_in), f"all_gather of {full_out.numel()} {dtype} elements", async_op)
+        send, recv = shard_in.detach(), full_out.detach()
+        return self._run(lambda stream: self.nccl.all_gather(send, recv, stream=stream),
+                         f"all_gather of {full_out.numel()} {_name(full_out)} elements", async_op)
 
     def all_reduce_avg(self, tensor: torch.Tensor, async_op: bool = False):
-        address, dtype = self._address(tensor)
-        return self._run(lambda stream: self.nccl.all_reduce(
-            address, address, tensor.numel(), dtype, "avg", stream),
-            (tensor,), f"all_reduce of {tensor.numel()} {dtype} elements", async_op)
+        data = tensor.detach()
+        return self._run(lambda stream: self.nccl.all_reduce(data, data, "avg", stream=stream),
+                         f"all_reduce of {tensor.numel()} {_name(tensor)} elements", async_op)
 
     def destroy(self) -> None:
         """Destroys the NCCL communicator after its queued work; every rank
@@ -222,4 +203,3 @@ class NativeNcclCommunicator(Communicator):
         if self.nccl.alive:
             self.nccl.destroy()
         self.stream.close()
-        super().destroy()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from . import _C
+from .. import _C
 
 
 def wheel_library() -> str | None:

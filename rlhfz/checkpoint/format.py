@@ -10,6 +10,10 @@ Writers stream each tensor from wherever it lives, in pieces, and readers
 copy byte ranges straight into existing memory, so neither needs a second
 copy of the data. Every tensor's bytes get a CRC-32 per CHUNK_BYTES, which
 lets a reader verify a file on several threads before it trusts any of it.
+
+Beside the format, the two file primitives every checkpoint write builds on:
+create_private (a new file only its owner reads) and fsync_dir (a rename
+made durable).
 """
 from __future__ import annotations
 
@@ -321,3 +325,21 @@ class TensorFile:
 
     def __exit__(self, *exc):
         self.close()
+
+
+# ---- files written for a checkpoint ---------------------------------------------------------
+
+def create_private(file: str):
+    """A new file only its owner can read, whatever the umask (as the tensor
+    files are); never an existing file or a link planted at its name."""
+    return os.fdopen(os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600),
+                     "wb")
+
+
+def fsync_dir(path: str) -> None:
+    """Makes the entries of a directory (a create, a rename) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

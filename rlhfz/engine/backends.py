@@ -24,7 +24,7 @@ import struct
 
 import torch
 
-from . import _C
+from .. import _C
 
 SIM_DEVICE_ENV = "RLHFZ_SIM_DEVICE"
 

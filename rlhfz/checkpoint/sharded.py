@@ -1,0 +1,405 @@
+"""Sharded save and resume: one tensor file per rank, in the optimizer's
+own layout, and loads that copy byte ranges straight into its memory.
+
+Saving writes a new generation g-<token>/ beside the old one, makes it
+durable, then atomically replaces index.json; only then does the old
+generation go. A crash at any point leaves an index.json that names a
+complete generation. Every rank hears whether every rank succeeded.
+
+Loading checks everything it will read before it writes anything (see
+validation.py). Then it copies byte ranges straight into the params and
+optimizer state, so the extra host memory it needs is one staging buffer
+(for device memory), not the state. A checkpoint written at any world size
+and stage loads at any other: each rank reads the byte ranges of the saved
+shards that its own shard covers (_Plan).
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+
+import torch
+
+from ..generation import refuse_while_gathered, unwrap_model
+from ..engine import shard_owner
+from ..progress import progress
+from ..state_dict import packed_groups
+from .consolidated import MODEL_FILE, load_consolidated
+from .format import CorruptFileError, TensorFileWriter, create_private, fsync_dir
+from .validation import (FORMAT, GENERATION, INDEX, MAX_INDEX_BYTES, CheckpointError, all_ok,
+                         check_entries, check_groups, check_match, file_name, index_text,
+                         open_files, read_index, verify)
+
+_STATE = ("master", "exp_avg", "exp_avg_sq")
+
+
+# ---- what a checkpoint describes -------------------------------------------------------
+
+def _check_optimizer(optimizer) -> None:
+    from ..optim import ZeroAdamW
+    if not isinstance(optimizer, ZeroAdamW):
+        raise TypeError(f"sharded checkpoints hold a ZeroAdamW's state, not "
+                        f"{type(optimizer).__name__}'s; save_consolidated writes torch's formats")
+
+
+def _positions(optimizer) -> dict[int, int]:
+    return {id(p): i for i, p in
+            enumerate(p for group in optimizer.param_groups for p in group["params"])}
+
+
+def _names(model, optimizer) -> dict[int, str]:
+    names = {}
+    if model is not None:
+        for name, p in unwrap_model(model).named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), name)
+    return names
+
+
+def _extras(model, optimizer) -> dict[str, torch.Tensor]:
+    """The model's state that the optimizer does not hold: buffers and
+    params it does not train (the same on every rank)."""
+    if model is None:
+        return {}
+    owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    return {name: t for name, t in unwrap_model(model).state_dict(keep_vars=True).items()
+            if id(t) not in owned}
+
+
+def _jsonable(key, value):
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, (tuple, list)):
+        return [_jsonable(key, v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"param group option {key!r} = {value!r} cannot be saved in a checkpoint "
+                    f"(numbers, strings, booleans and lists of them can)")
+
+
+def _describe(model, optimizer) -> dict:
+    """The index's description of the model and optimizer (no file data)."""
+    positions = _positions(optimizer)
+    names = _names(model, optimizer)
+    params = [None] * len(positions)
+    buckets = []
+    for bucket in optimizer.engine.buckets:
+        slots = bucket.layout.slots
+        for p, slot in zip(bucket.params, slots):
+            params[positions[id(p)]] = {"name": names.get(id(p)), "shape": list(slot.shape),
+                                        "dtype": bucket.dtype_name}
+        buckets.append({
+            "dtype": bucket.dtype_name, "group": bucket.group_index,
+            "params": [positions[id(p)] for p in bucket.params],
+            "offsets": [s.offset for s in slots], "numels": [s.numel for s in slots],
+            "padded_numel": bucket.layout.padded_numel, "shard_numel": bucket.layout.shard_numel,
+            "master": bucket.has_master, "registered": list(bucket.registered)})
+    groups = []
+    for group in packed_groups(optimizer.param_groups):
+        groups.append({k: (v if k == "params" else _jsonable(k, v)) for k, v in group.items()})
+    extras = _extras(model, optimizer)
+    return {"format": FORMAT, "world_size": optimizer.world_size, "stage": optimizer.stage,
+            "params": params, "param_groups": groups, "buckets": buckets,
+            "module": {name: {"shape": list(t.shape), "dtype": str(t.dtype).split(".")[-1]}
+                       for name, t in extras.items()}}
+
+
+# ---- saving -------------------------------------------------------------------------------
+
+def _rank_entries(optimizer, extras):
+    """(name, dtype, shape, parts) of every tensor in this rank's file."""
+    entries = []
+    for k, bucket in enumerate(optimizer.engine.buckets):
+        shard = bucket.layout.shard_numel
+        entries.append((f"bucket{k}.param", bucket.dtype, (shard,), (bucket.flat_param_shard,)))
+        for name in _STATE:
+            device_part, host_part = bucket.state.parts[name]
+            if name == "master" and not bucket.has_master:
+                continue
+            parts = (device_part,) + ((host_part,) if host_part is not None else ())
+            entries.append((f"bucket{k}.{name}", torch.float32, (shard,), parts))
+        if optimizer.rank == 0:
+            entries.append((f"bucket{k}.steps", torch.float32, (len(bucket.params),),
+                            (bucket.steps,)))
+    if optimizer.rank == 0:
+        for name, t in extras.items():
+            entries.append((f"module.{name}", t.dtype, tuple(t.shape), (t.detach(),)))
+    return entries
+
+
+def _write_rank_file(directory: str, optimizer, extras) -> dict:
+    entries = _rank_entries(optimizer, extras)
+    name = file_name(optimizer.rank, optimizer.world_size)
+    writer = TensorFileWriter(os.path.join(directory, name),
+                              [(n, dtype, shape) for n, dtype, shape, _ in entries],
+                              {"format": FORMAT, "rank": str(optimizer.rank)})
+    try:
+        with progress(writer.nbytes, "rlhfz save") as bar:
+            for n, _, _, parts in entries:
+                writer.write(n, *parts, progress=bar)
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    return {"name": name, "bytes": writer.nbytes, "crc32": writer.crc32}
+
+
+def _commit(path: str, tmp: str, token: str, index: dict) -> None:
+    generation = f"g-{token}"
+    text = index_text(index)
+    with create_private(os.path.join(tmp, INDEX)) as f:   # a generation describes itself too
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(tmp)
+    os.rename(tmp, os.path.join(path, generation))
+    staged = os.path.join(path, f".index-{token}.json")
+    with create_private(staged) as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(staged, os.path.join(path, INDEX))
+    fsync_dir(path)
+    # The new generation is current: older ones, and leftovers of saves
+    # that crashed, can go.
+    for entry in os.listdir(path):
+        doomed = os.path.join(path, entry)
+        if (GENERATION.fullmatch(entry) and entry != generation) or entry.startswith(".tmp-"):
+            shutil.rmtree(doomed, ignore_errors=True)
+        elif entry.startswith(".index-"):
+            os.unlink(doomed)
+
+
+def _discard(path: str, token: str) -> None:
+    """What a failed commit leaves, unless the index already names it."""
+    shutil.rmtree(os.path.join(path, f".tmp-{token}"), ignore_errors=True)
+    staged = os.path.join(path, f".index-{token}.json")
+    if os.path.exists(staged):
+        os.unlink(staged)
+    try:
+        with open(os.path.join(path, INDEX), "rb") as f:
+            current = json.loads(f.read(MAX_INDEX_BYTES)).get("generation")
+    except (OSError, ValueError, AttributeError):
+        current = None
+    if current != f"g-{token}":
+        shutil.rmtree(os.path.join(path, f"g-{token}"), ignore_errors=True)
+
+
+def save_checkpoint(path, model, optimizer, client_state: dict | None = None) -> None:
+    """Writes model and optimizer to the directory `path`, one file per rank
+    (a collective: every rank calls it; the directory must be shared).
+
+    The previous checkpoint at `path` stays loadable until the new one is
+    complete and durable. client_state (JSON: numbers, strings, lists, dicts)
+    comes back from load_checkpoint, e.g. the step and the scheduler's state."""
+    _check_optimizer(optimizer)
+    optimizer.synchronize()          # copies a non-blocking move left in flight
+    path = os.fspath(path)
+    comm = optimizer.comm
+    try:
+        client_text = json.dumps(client_state)
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"client_state must be JSON-serializable: {error}") from None
+    if comm is not None:
+        comm.agree("save_checkpoint", {"buckets": len(optimizer.engine.buckets)})
+    if optimizer.reducer is not None:
+        optimizer.reducer.flush()
+    for bucket in optimizer.engine.buckets:
+        bucket.state.refresh_stitched()
+    token = secrets.token_hex(8)
+    if comm is not None:
+        token = comm.exchange(token, "save_checkpoint")[0]
+    tmp = os.path.join(path, f".tmp-{token}")
+
+    error, info, index = None, None, None
+    try:
+        index = _describe(model, optimizer)
+        index["client_state"] = json.loads(client_text)
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise CheckpointError(f"{path} exists and is not a directory")
+        if optimizer.rank == 0 and not os.path.isdir(path):
+            os.makedirs(path, exist_ok=True)
+            fsync_dir(os.path.dirname(os.path.abspath(path)))
+        os.makedirs(tmp, exist_ok=True)
+        info = _write_rank_file(tmp, optimizer, _extras(model, optimizer))
+    except Exception as caught:          # every rank must hear of it before raising
+        error = caught
+    infos = (comm.exchange(info, "save_checkpoint") if comm is not None else [info])
+    try:
+        all_ok(optimizer, error, "save_checkpoint", "write its shard")
+    except BaseException:
+        if optimizer.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    error = None
+    if optimizer.rank == 0:
+        try:
+            index["generation"] = f"g-{token}"
+            index["files"] = infos
+            _commit(path, tmp, token, index)
+        except Exception as caught:
+            _discard(path, token)
+            error = caught
+    all_ok(optimizer, error, "save_checkpoint", "commit the checkpoint")
+
+
+# ---- loading: which saved bytes land where ---------------------------------------------------
+
+class _Plan:
+    """For this rank: every (file, tensor, byte offset, destination) copy."""
+
+    def __init__(self, index, optimizer):
+        self.index = index
+        self.copies = []             # (rank, tensor name, byte offset, dest tensor)
+        self.steps = []              # (bucket, [(slot, saved bucket, saved slot)])
+        saved = index["buckets"]
+        self.source = {}
+        for k, b in enumerate(saved):
+            for s, (pos, offset) in enumerate(zip(b["params"], b["offsets"])):
+                self.source[pos] = (k, s, offset)
+        positions = _positions(optimizer)
+        for bucket in optimizer.engine.buckets:
+            lo = bucket.shard.start if bucket.sharded_params else 0
+            hi = lo + bucket.flat_param.numel()
+            self._plan(bucket, positions, "param", lo, hi)
+            for name in _STATE:
+                if name == "master" and not bucket.has_master:
+                    continue
+                self._plan(bucket, positions, name, bucket.shard.start,
+                           bucket.shard.start + bucket.layout.shard_numel)
+            self.steps.append((bucket, [(i,) + self.source[positions[id(p)]][:2]
+                                        for i, p in enumerate(bucket.params)]))
+
+    def _runs(self, bucket, positions, lo, hi):
+        """(target element, saved bucket, saved element, count), merged where
+        both sides are contiguous (alignment gaps included)."""
+        runs = []
+        for slot, p in zip(bucket.layout.slots, bucket.params):
+            k, s, offset = self.source[positions[id(p)]]
+            a, b = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
+            if a >= b:
+                continue
+            run = [a, k, offset + a - slot.offset, b - a, s]
+            if runs:
+                last = runs[-1]
+                gap = a - (last[0] + last[3])
+                if (last[1] == k and s == last[4] + 1 and gap >= 0
+                        and run[2] - (last[2] + last[3]) == gap):
+                    last[3] = b - last[0]
+                    last[4] = s
+                    continue
+            runs.append(run)
+        return runs
+
+    def _plan(self, bucket, positions, name, lo, hi):
+        saved = self.index["buckets"]
+        itemsize = 4 if name != "param" else bucket.itemsize
+        # Where this rank keeps the elements: (first element, tensor) pieces,
+        # the state split between its device and host parts.
+        if name == "param":
+            parts = [(lo, bucket.flat_param)]
+        else:
+            device_part, host_part = bucket.state.parts[name]
+            parts = [(bucket.shard.start, device_part)]
+            if host_part is not None:
+                parts.append((bucket.shard.start + bucket.shard.split, host_part))
+        for target, k, source, count, _ in self._runs(bucket, positions, lo, hi):
+            if name == "master" and not saved[k]["master"]:
+                raise CheckpointError("a 16-bit param has no saved master weights")
+            shard = saved[k]["shard_numel"]
+            while count > 0:
+                rank, local = shard_owner(source, shard)
+                start, part = next((s, t) for s, t in reversed(parts) if target >= s)
+                n = min(count, shard - local, start + part.numel() - target)
+                self.copies.append((rank, f"bucket{k}.{name}", local * itemsize,
+                                    part[target - start:target - start + n]))
+                target, source, count = target + n, source + n, count - n
+
+    def needs(self) -> dict[int, set[str]]:
+        """Tensors this rank reads, by the rank whose file holds them."""
+        needed: dict[int, set[str]] = {0: {f"bucket{k}.steps"
+                                           for k in range(len(self.index["buckets"]))}}
+        needed[0].update(f"module.{name}" for name in self.index["module"])
+        for rank, name, _, _ in self.copies:
+            needed.setdefault(rank, set()).add(name)
+        return needed
+
+
+def load_checkpoint(path, model, optimizer=None):
+    """Loads a checkpoint into the existing model and optimizer, in place, and
+    returns its client_state (a collective when the optimizer spans ranks).
+
+    `path` is a directory from save_checkpoint (any world size, any stage),
+    or one from save_consolidated (model.pt, optimizer.pt). On any error
+    (missing, truncated or modified files, another model's checkpoint) it
+    raises CheckpointError on every rank and nothing has changed."""
+    path = os.fspath(path)
+    if not os.path.exists(os.path.join(path, INDEX)):
+        if os.path.exists(os.path.join(path, MODEL_FILE)):
+            load_consolidated(path, model, optimizer)
+            return None
+        raise CheckpointError(f"{path}: no checkpoint here (neither {INDEX} nor {MODEL_FILE})")
+    if optimizer is None:
+        raise TypeError(f"{path} is a sharded checkpoint, laid out by the optimizer's buckets: "
+                        f"pass the ZeroAdamW too (load_checkpoint(path, model, optimizer))")
+    _check_optimizer(optimizer)
+    optimizer.synchronize()
+    refuse_while_gathered(optimizer, "load")
+    comm = optimizer.comm
+    if comm is not None:
+        comm.agree("load_checkpoint", {"buckets": len(optimizer.engine.buckets)})
+    if optimizer.reducer is not None:
+        optimizer.reducer.flush()
+    error, files, plan, index = None, {}, None, None
+    try:
+        index = read_index(path)
+        check_match(path, index, _describe(model, optimizer))
+        check_groups(path, index, optimizer)
+        plan = _Plan(index, optimizer)
+        needed = plan.needs()
+        files = open_files(path, index, needed)
+        check_entries(path, index, files, needed)
+        verify(path, index, files, needed)
+    except (CheckpointError, CorruptFileError) as caught:
+        error = caught if isinstance(caught, CheckpointError) else CheckpointError(str(caught))
+    except Exception as caught:
+        error = caught
+    try:
+        all_ok(optimizer, error, "load_checkpoint", "check the checkpoint")
+        _apply(index, plan, files, model, optimizer)
+    finally:
+        for tf in files.values():
+            tf.close()
+    return index.get("client_state")
+
+
+def _apply(index, plan, files, model, optimizer) -> None:
+    total = sum(dest.numel() * dest.element_size() for _, _, _, dest in plan.copies)
+    with torch.no_grad(), progress(total, "rlhfz load") as bar:
+        for rank, name, offset, dest in plan.copies:
+            files[rank].read_into(name, offset, dest)
+            bar.update(dest.numel() * dest.element_size())
+        saved = index["buckets"]
+        steps = {k: files[0].read(f"bucket{k}.steps") for k in {k for _, entries in plan.steps
+                                                                for _, k, _ in entries}}
+        for bucket, entries in plan.steps:
+            for i, k, s in entries:
+                bucket.steps[i] = steps[k][s]
+                (optimizer.engine.register if saved[k]["registered"][s]
+                 else optimizer.engine.unregister)(bucket, i)
+            # fp32 params are their own master: the host part's copy follows them
+            bucket.pull_host_part(master=not bucket.has_master)
+            bucket.state.refresh_stitched()
+        extras = _extras(model, optimizer)
+        for name, t in extras.items():
+            target = t.detach()
+            if target.is_contiguous():
+                files[0].read_into(f"module.{name}", 0, target)
+            else:
+                target.copy_(files[0].read(f"module.{name}"))
+        for group, saved_group in zip(optimizer.param_groups, index["param_groups"]):
+            for key, value in saved_group.items():
+                if key not in ("params", "param_names"):
+                    group[key] = tuple(value) if isinstance(value, list) else value
+    optimizer.engine.grads_changed()

@@ -1,0 +1,26 @@
+"""rlhfz's engine: flat storage, shard layout, shard state and the step.
+
+    layout.py       where each param sits in a bucket, which elements each rank owns
+    storage.py      a bucket's Buffers by region, and the registry of tensors over them
+    state.py        a shard's master weights, moments and step counts
+    bucket.py       the three put together, with the params attached
+    engine.py       every bucket of an optimizer, and the step
+    backends.py     the kernels and memory of a device (CPU, CUDA, simulated CUDA)
+    host_memory.py  pinned host memory under a budget
+
+Nothing here imports torch.optim or another rlhfz module above it.
+"""
+from .backends import CudaBackend, HostBackend, SimulatedCudaBackend, backend_for, torch_view
+from .bucket import DTYPE_NAMES, Bucket
+from .engine import BucketPlan, ShardEngine
+from .host_memory import PinnedPool, host_buffer, pin_budget, release_pinned
+from .layout import (ALIGN_BYTES, BucketLayout, ShardLayout, Slot, plan_bucket, rank_range,
+                     shard_owner, shard_size, stage2_bucket_bytes)
+from .state import STATE_NAMES, ShardState
+from .storage import REGIONS, FlatStorage
+
+__all__ = ["ALIGN_BYTES", "Bucket", "BucketLayout", "BucketPlan", "CudaBackend", "DTYPE_NAMES",
+           "FlatStorage", "HostBackend", "PinnedPool", "REGIONS", "STATE_NAMES", "ShardEngine",
+           "ShardLayout", "ShardState", "SimulatedCudaBackend", "Slot", "backend_for",
+           "host_buffer", "pin_budget", "plan_bucket", "rank_range", "release_pinned", "shard_owner", "shard_size",
+           "stage2_bucket_bytes", "torch_view"]

@@ -1,0 +1,411 @@
+"""A bucket: the params of one (param group, dtype), laid out back to back.
+
+It puts together the bucket's layout and shard (layout.py), its memory
+(storage.py) and its shard's optimizer state (state.py), and makes each
+param's ``.data`` and ``.grad`` a view of that memory, so the optimizer
+steps a whole bucket with one kernel call and autograd accumulates straight
+into bucket memory. Stage 3 keeps only the shard of the params, and
+gather() makes them whole for as long as they are needed.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from .backends import HostBackend, torch_view
+from .layout import BucketLayout, ShardLayout, plan_bucket
+from .state import ShardState
+from .storage import REGIONS, FlatStorage
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class Bucket:
+    def __init__(self, params: list[torch.Tensor], group_index: int, dtype: torch.dtype,
+                 rank: int = 0, world_size: int = 1, full_grads: bool = True,
+                 reduce_dtype: torch.dtype | None = None, backend=None,
+                 host_ratio: float = 0.0, host_alloc=None, sharded_params: bool = False):
+        self.params = params
+        self.group_index = group_index
+        self.index = 0                       # place among the engine's buckets
+        self.dtype = dtype
+        self.dtype_name = DTYPE_NAMES[dtype]
+        self.itemsize = torch.empty((), dtype=dtype).element_size()
+        self.layout: BucketLayout = plan_bucket([tuple(p.shape) for p in params], self.itemsize,
+                                                world_size)
+        self.shard = ShardLayout.of(self.layout, rank, host_ratio)
+        self.world_size = world_size
+        self.backend = backend or HostBackend()
+        # Params and grads are whole; master, moments and the reduced grad
+        # cover this rank's shard. Stage 3 (sharded_params) keeps only this
+        # rank's shard of the params too.
+        self.sharded_params = sharded_params
+        self.param_base = 0 if sharded_params else self.shard.start
+        self.gathered = None          # stage 3: (bytes, flat tensor) while gathered
+        # Stage 2 keeps no full-size grads: the reducer stages them briefly.
+        self.full_grads = full_grads
+        # Grads are averaged across ranks in reduce_dtype. Stage 2 keeps the
+        # averaged shard in its own region. Stage 1 all-reduces in place, as
+        # DDP does, so the shard is a range of the grads (of an fp32 copy of
+        # the bucket when reduce_dtype differs).
+        self.reduce_dtype = reduce_dtype or dtype
+        reduce_name = DTYPE_NAMES[self.reduce_dtype]
+        n, shard = self.layout.padded_numel, self.shard.numel
+        split, host = self.shard.split, self.shard.host_numel
+        f32 = "float32"
+        sizes = {
+            "param": ((shard if sharded_params else n), self.dtype_name),
+            "grad": (n, self.dtype_name) if full_grads else None,
+            "grad_shard": (shard, reduce_name) if world_size > 1 and not full_grads else None,
+            "reduce_staging": ((n, reduce_name) if world_size > 1 and full_grads
+                               and self.reduce_dtype != dtype else None),
+            # offload="cpu": the host part has its own fp32 master (also for
+            # fp32 params, whose own memory is on the backend), a copy of its
+            # grads and a staging copy of its new param values
+            "master": None if dtype == torch.float32 else (split, f32),
+            "exp_avg": (split, f32), "exp_avg_sq": (split, f32),
+            "host_master": (host, f32) if host else None,
+            "host_exp_avg": (host, f32) if host else None,
+            "host_exp_avg_sq": (host, f32) if host else None,
+            "host_grad": (host, reduce_name) if host else None,
+            "host_param": (host, self.dtype_name) if host else None,
+        }
+        self.storage = FlatStorage(sizes, self.backend.buffer,
+                                   host_alloc or (lambda nbytes: HostBackend().buffer(nbytes)))
+        self.state = ShardState(self.shard, world_size, dtype != torch.float32, len(params))
+        self.storage.hand_out(self._build_views())
+        self.reduced_version = None    # flat_grad's version when last reduced (stage 1)
+        self.host_param_fence = None   # see fence_host_param
+        self._hook_handles = []
+        self.trainable = sum(1 for p in params if p.requires_grad)
+
+    # ---- views -------------------------------------------------------------------
+
+    def _build_views(self) -> dict[str, object]:
+        """Kernel views and torch tensors over the current buffers: the
+        storage registers the tensors, so a move re-points them in place."""
+        storage, shard = self.storage, self.shard.numel
+        # where the grad shard's first element is: (region, element offset)
+        if storage.buffers["grad_shard"] is not None:
+            self._grad_shard_at = ("grad_shard", 0)
+        elif storage.buffers["reduce_staging"] is not None:
+            self._grad_shard_at = ("reduce_staging", self.shard.start)
+        else:
+            self._grad_shard_at = ("grad", self.shard.start)
+        # Kernel-facing views of whole buckets and shards: passed to _C without DLPack.
+        self.param_kview = storage.view("param")
+        self.grad_kview = storage.view("grad") if self.full_grads else None
+        self.grad_shard_kview = self.grad_shard_kview_range(0, shard)
+        self.master_kview = self._master_view(0, self.shard.split)
+        self.param_shard_kview = storage.view("param", self.param_base, shard)
+        self.exp_avg_kview = storage.view("exp_avg")
+        self.exp_avg_sq_kview = storage.view("exp_avg_sq")
+        # Torch-facing flat tensors, and per-param views of them. Slices of one
+        # flat tensor share its version counter, which tells whether any grad
+        # in the bucket was modified in place since a check.
+        flat = {name: (torch_view(storage.view(name)) if storage.buffers[name] is not None
+                       else None)
+                for name in ("grad", "reduce_staging") + tuple(n for n in REGIONS
+                                                                if REGIONS[n].host)}
+        flat["param"] = torch_view(self.param_kview)
+        flat["grad_shard"] = torch_view(self.grad_shard_kview)
+        flat["param_shard"] = torch_view(self.param_shard_kview)
+        flat["master"] = torch_view(self.master_kview)
+        flat["exp_avg"] = torch_view(self.exp_avg_kview)
+        flat["exp_avg_sq"] = torch_view(self.exp_avg_sq_kview)
+        views = {f"flat_{name}": t for name, t in flat.items()}
+        views["param_views"] = None if self.sharded_params else self._views(flat["param"])
+        views["grad_views"] = self._views(flat["grad"]) if self.full_grads else None
+        state = self.state.build({name: (flat[name], flat[f"host_{name}"])
+                                  for name in ("master", "exp_avg", "exp_avg_sq")})
+        views.update({f"{name}_views": v for name, v in state.items()})
+        self._adopt(views)
+        return views
+
+    def _adopt(self, views: dict[str, object]) -> None:
+        for name, value in views.items():
+            setattr(self, name, value)
+        self.state.adopt({name: views[f"{name}_views"]
+                          for name in ("master", "exp_avg", "exp_avg_sq")})
+        self.state.parts = {name: (views[f"flat_{name}"], views[f"flat_host_{name}"])
+                            for name in ("master", "exp_avg", "exp_avg_sq")}
+
+    def rebind(self) -> None:
+        """After buffers were replaced: every tensor handed out before (param
+        data, grads, optimizer state) is re-pointed in place at the new
+        memory, so no reference anyone holds changes identity."""
+        self._adopt(self.storage.rebind(self._build_views))
+        with torch.no_grad():
+            for p, view in zip(self.params, self.param_views or []):
+                p.data = view
+
+    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.layout.slots]
+
+    def _master_view(self, lo: int, n: int):
+        """fp32 master over shard elements [lo, lo + n): its own region for
+        16-bit params, else this rank's range of the params themselves."""
+        if self.storage.buffers["master"] is not None:
+            return self.storage.view("master", lo, n)
+        return self.storage.buffers["param"].view("float32", self.param_base + lo, (n,))
+
+    @property
+    def has_master(self) -> bool:
+        return self.state.has_master
+
+    @property
+    def steps(self) -> torch.Tensor:
+        return self.state.steps
+
+    @property
+    def registered(self) -> list[bool]:
+        return self.state.registered
+
+    # ---- values from outside ----------------------------------------------------------
+
+    def local_part(self, index: int, full: torch.Tensor) -> torch.Tensor:
+        """The part of a param-shaped tensor that lies in this rank's shard,
+        shaped like the param's state view."""
+        if self.world_size == 1:
+            return full
+        return self.shard.part_of(index, full.reshape(-1))
+
+    def param_shard_part(self, index: int) -> torch.Tensor:
+        """This rank's part of one param's values, flat, from the param shard
+        (which every stage keeps, gathered or not)."""
+        a, b = self.shard.local[index]
+        return self.flat_param_shard[a:b]
+
+    def write_param(self, index: int, full: torch.Tensor) -> None:
+        """Sets one param's values from a whole, param-shaped tensor: all of
+        it, or under stage 3 this rank's part. sync_master() follows."""
+        with torch.no_grad():
+            if not self.sharded_params:
+                self.param_views[index].copy_(full)
+                return
+            self.param_shard_part(index).copy_(self.shard.part_of(index, full.reshape(-1)))
+
+    def sync_master(self) -> None:
+        """fp32 master weights (backend and host parts) from the params, after
+        the params were set from outside."""
+        if self.has_master:
+            self.backend.cast_(self.master_kview, self.storage.view(
+                "param", self.param_base, self.shard.split))
+        self.pull_host_part()
+        self.state.refresh_stitched()
+
+    def reattach_moved(self) -> None:
+        """Params whose .data something replaced (module.to() copies even to
+        the same device in some torch versions) become views of the bucket
+        again, keeping the values they hold now. A param cast or moved to
+        another dtype or device cannot: that raises."""
+        if self.param_views is None:
+            return
+        for p, view in zip(self.params, self.param_views):
+            if p.data_ptr() == view.data_ptr() or p.numel() == 0 and view.numel() == 0:
+                continue
+            if p.dtype != view.dtype or p.device != view.device or p.shape != view.shape:
+                raise RuntimeError(
+                    f"a param of shape {tuple(view.shape)} was moved or cast to {p.dtype} on "
+                    f"{p.device} outside rlhfz (model.to() / .cuda() / .half() after the "
+                    f"optimizer was built); its memory is the optimizer's {view.dtype} on "
+                    f"{view.device}: build the optimizer after placing the model, or use "
+                    f"offload() / reload() to move it")
+            with torch.no_grad():
+                view.copy_(p.detach())
+            p.data = view
+
+    # ---- the host part --------------------------------------------------------------------
+
+    def fence_host_param(self, event) -> None:
+        """The event after the asynchronous copies that read the host part's
+        staged params: the host may write them again only once it is done,
+        whichever stream the next step runs on."""
+        self.host_param_fence = event
+
+    def wait_host_param(self) -> None:
+        if self.host_param_fence is not None:
+            self.host_param_fence.synchronize()
+            self.host_param_fence = None
+
+    def pull_host_part(self, master: bool = True) -> None:
+        """The host part's staged params (and, with master, its fp32 master)
+        from the param shard: at attach, and after a state dict is loaded."""
+        if self.flat_host_master is None:
+            return
+        self.wait_host_param()
+        with torch.no_grad():
+            current = self.flat_param_shard[self.shard.split:]
+            if master:
+                self.flat_host_master.copy_(current)
+            self.flat_host_param.copy_(current)
+
+    # ---- attaching params -------------------------------------------------------
+
+    def attach(self, grad_hook, index: int = 0) -> None:
+        """Copy each param's values in, make param.data a view of the bucket,
+        and call grad_hook(bucket, index, param) after each grad accumulates.
+        index: the bucket's place among its engine's."""
+        self.index = index
+        with torch.no_grad():
+            if self.sharded_params:
+                # Stage 3: keep this rank's part of each param, and leave the
+                # param an empty placeholder until gather().
+                for i, p in enumerate(self.params):
+                    self.param_shard_part(i).copy_(
+                        self.shard.part_of(i, p.detach().reshape(-1)))
+                    p.grad = None
+                    p.data = self.placeholder()
+            else:
+                grad_views = self.grad_views or [None] * len(self.params)
+                for p, view, grad_view in zip(self.params, self.param_views, grad_views):
+                    view.copy_(p.detach())
+                    grad = p.grad
+                    p.data = view
+                    if grad is not None and grad_view is not None:
+                        grad_view.copy_(grad)
+                        p.grad = grad_view
+        if self.has_master:
+            self.backend.cast_(self.master_kview, self.storage.view(
+                "param", self.param_base, self.shard.split))
+        self.pull_host_part()
+        self_ref = weakref.ref(self)
+        for i, p in enumerate(self.params):
+            if p.requires_grad:
+                self._hook_handles.append(p.register_post_accumulate_grad_hook(
+                    _make_grad_hook(self_ref, i, grad_hook)))
+
+    def placeholder(self) -> torch.Tensor:
+        return torch.empty(0, dtype=self.dtype, device=self.backend.device)
+
+    def detach_hooks(self) -> None:
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles.clear()
+
+    # ---- stage 3: whole params only while needed ----------------------------------
+
+    def gather(self, comm, async_op: bool = False):
+        """Makes every param whole (param.data a view of a gathered bucket);
+        returns the collective's work with async_op."""
+        if self.gathered is not None:
+            return None
+        # Transient memory: on a GPU torch's cache hands the same blocks back
+        # gather after gather, in stream order (backends.CudaBackend.empty).
+        flat = self.backend.empty(self.layout.padded_numel, self.dtype)
+        work = comm.all_gather(flat, self.flat_param_shard, async_op=async_op)
+        self.gathered = (flat.numel() * self.itemsize, flat)
+        with torch.no_grad():
+            for p, slot in zip(self.params, self.layout.slots):
+                p.data = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        return work
+
+    def release(self) -> None:
+        """Back to placeholders; the gathered memory goes back at once."""
+        if self.gathered is None:
+            return
+        with torch.no_grad():
+            for p in self.params:
+                p.data = self.placeholder()
+        self.gathered = None
+
+    def gathered_bytes(self) -> int:
+        return self.gathered[0] if self.gathered is not None else 0
+
+    # ---- grads ------------------------------------------------------------------
+
+    def adopt_grad(self, index: int) -> None:
+        """Move a grad that lives outside the bucket (autograd allocates one
+        after grads were set to None, or a user assigned one) into it."""
+        p = self.params[index]
+        grad = p.grad
+        view = self.grad_views[index]
+        if grad is None or grad is view:
+            return
+        if grad.layout != torch.strided:
+            raise ValueError(f"sparse gradients are not supported (param {index} of group "
+                             f"{self.group_index}, shape {tuple(p.shape)})")
+        if grad.shape != view.shape:
+            raise ValueError(f"gradient of shape {tuple(grad.shape)} for a param of shape "
+                             f"{tuple(view.shape)}")
+        with torch.no_grad():
+            view.copy_(grad)
+        p.grad = view
+
+    def grads_reduced(self) -> bool:
+        """Stage 1: the grads are as the last all-reduce left them (torch
+        bumps the version counter of every in-place write to them)."""
+        return self.reduced_version == self.flat_grad._version
+
+    def mark_reduced(self) -> None:
+        self.reduced_version = self.flat_grad._version
+
+    def collect_grads(self) -> list[bool]:
+        """Which params have a grad; stray grads are moved into the bucket."""
+        present = []
+        for i, (p, view) in enumerate(zip(self.params, self.grad_views)):
+            grad = p.grad
+            if grad is None:
+                present.append(False)
+                continue
+            if grad is not view:
+                self.adopt_grad(i)
+            present.append(True)
+        return present
+
+    def zero_grads(self, set_to_none: bool) -> None:
+        if set_to_none or not self.full_grads:
+            # The bucket keeps its memory; the next backward's grads are moved
+            # into it by the post-accumulate hook.
+            for p in self.params:
+                p.grad = None
+            return
+        for i, p in enumerate(self.params):
+            if p.grad is not None and p.grad is not self.grad_views[i]:
+                self.adopt_grad(i)
+        self.backend.zero_(self.storage.buffers["grad"], self.flat_grad)
+
+    # ---- kernel views of shard ranges -----------------------------------------------
+
+    def kernel_views(self, lo: int, hi: int):
+        """(master, exp_avg, exp_avg_sq, grad, param_out) over backend-part
+        shard elements [lo, hi)."""
+        if lo == 0 and hi == self.shard.numel:      # the whole shard, on the backend
+            param_out = self.param_shard_kview if self.has_master else None
+            return (self.master_kview, self.exp_avg_kview, self.exp_avg_sq_kview,
+                    self.grad_shard_kview, param_out)
+        n = hi - lo
+        param_out = (self.storage.view("param", self.param_base + lo, n) if self.has_master
+                     else None)
+        return (self._master_view(lo, n), self.storage.view("exp_avg", lo, n),
+                self.storage.view("exp_avg_sq", lo, n), self.grad_shard_kview_range(lo, hi),
+                param_out)
+
+    def host_kernel_views(self, lo: int, hi: int):
+        """(master, exp_avg, exp_avg_sq, grad, param_out) of the host part over
+        its elements [lo, hi)."""
+        n, storage = hi - lo, self.storage
+        return (storage.view("host_master", lo, n), storage.view("host_exp_avg", lo, n),
+                storage.view("host_exp_avg_sq", lo, n), storage.view("host_grad", lo, n),
+                storage.view("host_param", lo, n))
+
+    def grad_shard_kview_range(self, lo: int, hi: int):
+        """The (reduced) grads of shard elements [lo, hi)."""
+        name, start = self._grad_shard_at
+        return self.storage.buffers[name].view(DTYPE_NAMES[self.reduce_dtype], start + lo,
+                                               (hi - lo,))
+
+    # ---- accounting -------------------------------------------------------------------
+
+    def nbytes_by_tier(self) -> dict[str, dict[str, int]]:
+        """{kind: {tier: bytes}}, kinds as memory_report names them."""
+        return self.storage.nbytes_by_tier()
+
+
+def _make_grad_hook(bucket_ref, index, sink):
+    def hook(param):
+        bucket = bucket_ref()
+        if bucket is not None:
+            sink(bucket, index, param)
+    return hook

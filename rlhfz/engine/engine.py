@@ -1,0 +1,387 @@
+"""The sharded AdamW engine: buckets of flat storage, their shards, and the step.
+
+No torch.optim here. The engine keeps the buckets of every param group,
+knows which rank owns which elements, and runs a step: it collects (or is
+handed, by a reducer) each bucket's grads, checks and clips them, launches
+one fused AdamW kernel per bucket part (the backend part and the host part
+of offload="cpu" at once), and all-gathers the new params. ZeroAdamW
+(optim.py) is the torch.optim face of it; the reducer (stage 2), stage 3,
+migration and checkpoints use the public methods below.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .backends import HostBackend
+from .bucket import DTYPE_NAMES, Bucket
+from .layout import stage2_bucket_bytes
+
+
+@dataclass
+class BucketPlan:
+    """What one step does to one bucket."""
+
+    bucket: Bucket
+    present: list[bool]                       # which params have a grad (on any rank)
+    runs: list[tuple[int, int]]               # params that step together (one step count)
+    segments: list[tuple[int, int, int, int]]   # (start, stop, lo, hi): runs in shard elements
+
+
+def _segment_ranges(present: list[bool], steps: list[float]) -> list[tuple[int, int]]:
+    """Runs of consecutive params that have a grad and share a step count:
+    each run is one kernel call (one per bucket when every param has a grad)."""
+    runs = []
+    start = None
+    for i, has_grad in enumerate(present):
+        if start is not None and (not has_grad or steps[i] != steps[start]):
+            runs.append((start, i))
+            start = None
+        if has_grad and start is None:
+            start = i
+    if start is not None:
+        runs.append((start, len(present)))
+    return runs
+
+
+class ShardEngine:
+    """Every bucket of one optimizer, on one backend, over one communicator
+    (None in a single process)."""
+
+    def __init__(self, backend, comm, *, stage: int, host_ratio: float = 0.0,
+                 reduce_dtype: torch.dtype | None = None, host_alloc=None):
+        self.backend = backend
+        self.device = backend.device
+        self.comm = comm
+        self.rank = comm.rank if comm else 0
+        self.world_size = comm.world_size if comm else 1
+        self.stage = stage
+        self.host_ratio = host_ratio
+        self.reduce_dtype = reduce_dtype
+        self.host_alloc = host_alloc
+        self.buckets: list[Bucket] = []
+        self.reducer = None              # stage 2 across ranks: reduces grads during backward
+        self.on_state = None             # on_state(bucket, index, entry or None)
+        self.offloaded: set[str] = set()          # kinds moved away from where they train
+        self.moves_in_flight = None               # the event after a non-blocking move's copies
+        self.held_elsewhere: list = []            # (kind, weakref to a Buffer) still viewed
+        self._host = HostBackend()
+        self._finite_versions: tuple[int, ...] | None = None
+
+    def use_reducer(self, reducer) -> None:
+        """Grads go to the reducer from now on (before any bucket exists)."""
+        self.reducer = reducer
+
+    # ---- building buckets ---------------------------------------------------------
+
+    def make_buckets(self, group_index: int, parts) -> list[tuple[object, list[Bucket]]]:
+        """Buckets for one param group, allocated but not attached: if memory
+        runs out, nothing has changed. parts: [(unit or None, params,
+        sharded)]; returns [(unit, its buckets)]. One bucket per dtype, or
+        under stage 2 runs of about stage2_bucket_bytes; a sharded unit's
+        params of one dtype stay in one bucket, gathered together."""
+        made = []
+        for unit, members_all, sharded in parts:
+            unit_buckets = []
+            for dtype in DTYPE_NAMES:
+                members = [p for p in members_all if p.dtype == dtype]
+                chunks = [members] if sharded and members else self._chunks(members)
+                for chunk in chunks:
+                    unit_buckets.append(Bucket(
+                        chunk, group_index, dtype, self.rank, self.world_size,
+                        full_grads=self.reducer is None, reduce_dtype=self.reduce_dtype,
+                        backend=self.backend, host_ratio=self.host_ratio,
+                        host_alloc=self.host_alloc, sharded_params=sharded))
+            made.append((unit, unit_buckets))
+        return made
+
+    def _chunks(self, members: list) -> list[list]:
+        if self.reducer is None or not members:
+            return [members] if members else []
+        cap = stage2_bucket_bytes(sum(p.numel() * p.element_size() for p in members))
+        chunks, current, size = [], [], 0
+        for p in members:
+            nbytes = p.numel() * p.element_size()
+            if current and size + nbytes > cap:
+                chunks.append(current)
+                current, size = [], 0
+            current.append(p)
+            size += nbytes
+        chunks.append(current)
+        return chunks
+
+    def attach(self, buckets: list[Bucket]) -> None:
+        """Makes the buckets' params views of their memory, and the engine's."""
+        sink = self.reducer.on_grad if self.reducer is not None else _keep_grad_in_bucket
+        for bucket in buckets:
+            bucket.attach(sink, index=len(self.buckets))
+            self.buckets.append(bucket)
+        if self.reducer is not None:
+            self.reducer.reserve()
+
+    def owners(self) -> dict[int, tuple[Bucket, int]]:
+        """id(param) -> (its bucket, its index there)."""
+        return {id(p): (bucket, i) for bucket in self.buckets for i, p in enumerate(bucket.params)}
+
+    # ---- state registration ---------------------------------------------------------
+
+    def register(self, bucket: Bucket, index: int) -> None:
+        """The param has optimizer state (as torch.optim.AdamW's, after its first step)."""
+        bucket.state.registered[index] = True
+        if self.on_state is not None:
+            self.on_state(bucket, index, bucket.state.entry(index))
+
+    def unregister(self, bucket: Bucket, index: int) -> None:
+        bucket.state.registered[index] = False
+        bucket.state.all_registered = False
+        if self.on_state is not None:
+            self.on_state(bucket, index, None)
+
+    def grads_changed(self) -> None:
+        """Grads were written outside a step: the next step checks them again."""
+        self._finite_versions = None
+
+    # ---- grads -----------------------------------------------------------------------
+
+    def zero_grads(self, set_to_none: bool) -> None:
+        self._finite_versions = None
+        if self.reducer is not None:
+            self.reducer.zero()          # stage 2 holds no full grads: the shards start over
+        for bucket in self.buckets:
+            bucket.zero_grads(set_to_none)
+
+    def _grad_versions(self) -> tuple[int, ...]:
+        if self.reducer is not None:
+            return tuple(self.reducer.version(b) for b in self.buckets)
+        return tuple(b.flat_grad._version for b in self.buckets)
+
+    def require_home(self, call: str) -> None:
+        if self.offloaded:
+            raise RuntimeError(f"{call}() needs the optimizer's memory where it trains, but "
+                               f"{', '.join(sorted(self.offloaded))} are offloaded: call "
+                               f"reload() first")
+
+    def plan(self, call: str = "step") -> list[BucketPlan]:
+        """Every bucket's plan, with grads reduced across ranks."""
+        self.require_home(call)
+        for bucket in self.buckets:
+            bucket.reattach_moved()
+        if self.reducer is not None:
+            self.reducer.finish()
+            presence = [self.reducer.arrived(bucket) for bucket in self.buckets]
+        else:
+            presence = [bucket.collect_grads() for bucket in self.buckets]
+        if self.comm is not None:
+            presence = self._agree_presence(presence, call)
+            if self.reducer is None:
+                self._reduce_grads(presence)
+        plans = []
+        for bucket, present in zip(self.buckets, presence):
+            runs = _segment_ranges(present, bucket.steps.tolist())
+            segments = []
+            for start, stop in runs:
+                span = bucket.shard.element_range(start, stop)
+                if span is not None:
+                    segments.append((start, stop) + span)
+            plans.append(BucketPlan(bucket, present, runs, segments))
+        return plans
+
+    def _agree_presence(self, presence, call):
+        """A param has a grad if it has one on any rank (DDP's rule); ranks
+        without it contribute zeros. One small MAX all-reduce, under rlhfz's
+        timeout, which also catches a rank that never entered the step."""
+        flat = [has for present in presence for has in present]
+        self.comm.agree(f"ZeroAdamW.{call}", {"params": len(flat)})
+        mask = torch.tensor(flat, dtype=torch.uint8)
+        self.comm.all_reduce_max_control(mask, f"ZeroAdamW.{call}")
+        merged, i = [], 0
+        for bucket, present in zip(self.buckets, presence):
+            agreed = [bool(v) for v in mask[i:i + len(present)].tolist()]
+            i += len(present)
+            for index, (mine, anyone) in enumerate(zip(present, agreed)):
+                if anyone and not mine and bucket.full_grads:
+                    bucket.grad_views[index].zero_()
+            merged.append(agreed)
+        return merged
+
+    def _reduce_grads(self, presence) -> None:
+        """Stage 1: average each bucket's grads across ranks in place, once
+        per backward (as DDP leaves them); this rank's shard is a range."""
+        works = []
+        for bucket, present in zip(self.buckets, presence):
+            if any(present) and not bucket.grads_reduced():
+                target = bucket.flat_grad
+                if bucket.flat_reduce_staging is not None:
+                    bucket.flat_reduce_staging.copy_(target)    # 16-bit grads summed in fp32
+                    target = bucket.flat_reduce_staging
+                works.append((bucket, self.comm.all_reduce_avg(target, async_op=True)))
+        for bucket, work in works:
+            work.wait()
+            bucket.mark_reduced()
+
+    def _grad_views(self, plans):
+        return [p.bucket.grad_shard_kview_range(lo, hi)
+                for p in plans for _, _, lo, hi in p.segments]
+
+    def sumsq(self, plans) -> float:
+        """Sum of squares of every (reduced) grad, over all ranks."""
+        total = self.backend.sumsq(self._grad_views(plans))
+        if self.comm is not None:
+            total = self.comm.all_reduce_sum_host(total)
+        return total
+
+    def scale_grads(self, plans, factor: float) -> None:
+        for view in self._grad_views(plans):
+            self.backend.scale_(view, factor)
+
+    def norm(self, plans, norm_type: float = 2.0) -> float:
+        """The global norm of the grads, as torch.nn.utils.clip_grad_norm_
+        computes it over whole grads (a collective across ranks). The
+        2-norm runs on rlhfz's kernels; other p > 0 and inf on torch's, over
+        the same shard ranges (their zero padding changes no such norm)."""
+        if norm_type == 2.0:
+            return math.sqrt(self.sumsq(plans))
+        if not (norm_type > 0 or norm_type == math.inf):
+            raise ValueError(f"norm_type must be > 0 or inf, not {norm_type}: a norm of the "
+                             f"shards with zero padding would differ from torch's")
+        grads = [p.bucket.flat_grad_shard[lo:hi] for p in plans for _, _, lo, hi in p.segments]
+        if norm_type == math.inf:
+            local = max((float(g.abs().max()) for g in grads if g.numel()), default=0.0)
+            if self.comm is None:
+                return local
+            value = torch.tensor([local], dtype=torch.float64)
+            self.comm.all_reduce_max_control(value, "clip_grad_norm_")
+            return float(value)
+        local = sum(float(torch.linalg.vector_norm(g.double(), norm_type)) ** norm_type
+                    for g in grads)
+        if self.comm is not None:
+            local = self.comm.all_reduce_sum_host(local)
+        return local ** (1.0 / norm_type)
+
+    def clip(self, plans, total: float, max_norm: float) -> None:
+        """Scales grads of global 2-norm `total` to at most max_norm."""
+        coef = max_norm / (total + 1e-6)
+        if coef < 1.0:
+            self.scale_grads(plans, coef)
+        # The C kernels leave torch's version counters alone, so these record
+        # the grads exactly as checked: an unchanged step skips its own check.
+        self._finite_versions = self._grad_versions() if math.isfinite(total) else None
+
+    def grads_finite(self, plans) -> bool:
+        if self._finite_versions is not None and self._finite_versions == self._grad_versions():
+            return True
+        return math.isfinite(self.sumsq(plans))
+
+    def nonfinite(self, plans) -> list[tuple[Bucket, int]]:
+        """(bucket, index) of the params whose grads hold NaN or Inf (the
+        slow path, after a failed check)."""
+        bad = []
+        for plan in plans:
+            bucket = plan.bucket
+            for i, has_grad in enumerate(plan.present):
+                a, b = bucket.shard.local[i]
+                grad = bucket.grad_views[i] if self.comm is None else bucket.flat_grad_shard[a:b]
+                if has_grad and not math.isfinite(self.backend.sumsq([grad])):
+                    bad.append((bucket, i))
+        return bad
+
+    # ---- the step ----------------------------------------------------------------
+
+    def step(self, plans, hparams: list[dict]) -> None:
+        """One AdamW step of every planned bucket (hparams: per param group,
+        the kernels' keywords), then the new params to every rank."""
+        gathers = []
+        # Host parts' grads come over first, so the backend kernels launched
+        # next run while the CPU kernels step the host parts.
+        for plan in plans:
+            bucket = plan.bucket
+            if bucket.shard.host_numel and plan.segments:
+                bucket.flat_host_grad.copy_(bucket.flat_grad_shard[bucket.shard.split:])
+        for plan in plans:
+            bucket = plan.bucket
+            hp = hparams[bucket.group_index]
+            steps = bucket.steps.tolist()
+            copied = False
+            for start, stop, lo, hi in plan.segments:
+                step = int(steps[start]) + 1
+                device, host = bucket.shard.sides(lo, hi)
+                if device is not None:
+                    self.backend.adamw_step(bucket.kernel_views(*device), step, hp)
+                if host is not None:
+                    bucket.wait_host_param()     # its last copy to the device has read it
+                    self._host.adamw_step(bucket.host_kernel_views(*host), step, hp)
+                    k = bucket.shard.split
+                    bucket.flat_param_shard[host[0] + k:host[1] + k].copy_(
+                        bucket.flat_host_param[host[0]:host[1]], non_blocking=True)
+                    copied = True
+            if copied and self.backend.tier == "device":
+                # the copies read the staging buffer after this returns
+                bucket.fence_host_param(self.backend.record(self.backend.stream()))
+            if bucket.state.stitched:
+                bucket.state.refresh_stitched()
+            self._count_steps(bucket, plan)
+            if self.comm is not None and any(plan.present) and not bucket.sharded_params:
+                # in flight while the next bucket steps
+                gathers.append(self.comm.all_gather(bucket.flat_param, bucket.flat_param_shard,
+                                                    async_op=True))
+        for work in gathers:
+            work.wait()
+        self._finite_versions = None
+
+    def _count_steps(self, bucket: Bucket, plan: BucketPlan) -> None:
+        """Step counts advance for every param with a grad, also those whose
+        elements all live on other ranks."""
+        state = bucket.state
+        for start, stop in plan.runs:
+            if start == 0 and stop == len(plan.present):
+                state.steps.add_(1.0)
+            else:
+                state.steps[start:stop].add_(1.0)
+            if not state.all_registered:
+                for i in range(start, stop):
+                    if not state.registered[i]:
+                        self.register(bucket, i)
+                state.all_registered = all(state.registered)
+
+    # ---- memory ---------------------------------------------------------------------
+
+    def synchronize(self) -> None:
+        """Waits for the copies a non-blocking move left in flight."""
+        done, self.moves_in_flight = self.moves_in_flight, None
+        if done is not None:
+            done.synchronize()
+            self.backend.reap()
+
+    def memory_report(self, tiers, kinds) -> dict[str, dict[str, int]]:
+        """Bytes this rank owns, {kind: {tier: bytes}}; memory a move could
+        not free because a tensor outside still views it appears under
+        the tier 'held_elsewhere' of its kind."""
+        report = {kind: {tier: 0 for tier in tiers} for kind in kinds}
+        for bucket in self.buckets:
+            for kind, per_tier in bucket.nbytes_by_tier().items():
+                for tier, nbytes in per_tier.items():
+                    report[kind][tier] += nbytes
+        if self.reducer is not None:
+            report["grads"][self.backend.tier] += self.reducer.nbytes()
+        self.held_elsewhere = [(kind, ref) for kind, ref in self.held_elsewhere
+                               if ref() is not None and ref().exports > 0]
+        for kind, ref in self.held_elsewhere:
+            buffer = ref()
+            if buffer is not None:
+                names = ("master", "exp_avg", "exp_avg_sq") if kind == "optimizer" else (kind,)
+                entry = report[names[0]]
+                entry["held_elsewhere"] = entry.get("held_elsewhere", 0) + buffer.nbytes
+        return report
+
+    def flush_grads(self) -> None:
+        """No collective may still read or write grads after this."""
+        if self.reducer is not None:
+            self.reducer.flush()
+
+
+def _keep_grad_in_bucket(bucket: Bucket, index: int, param: torch.Tensor) -> None:
+    if param.grad is not bucket.grad_views[index]:
+        bucket.adopt_grad(index)
+

@@ -1,0 +1,135 @@
+"""ZeroAdamW's options: checked as torch.optim.AdamW checks its own, and the
+ones rlhfz adds. Bad input raises here, before anything is built."""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import torch
+
+
+def _number(name: str, value) -> float:
+    """A hyperparameter as a float. Like torch, which compares it with 0.0,
+    only numbers and one-element tensors pass: a string is a TypeError,
+    never parsed."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    raise TypeError(f"{name} must be a number or a one-element tensor, not "
+                    f"{type(value).__name__} ({value!r})")
+
+
+def check_hparams(lr, betas, eps, weight_decay) -> None:
+    lr = _number("lr", lr)
+    if not (math.isfinite(lr) and lr >= 0.0):
+        raise ValueError(f"Invalid learning rate: {lr}")
+    eps = _number("eps", eps)
+    if not (math.isfinite(eps) and eps >= 0.0):
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
+        raise ValueError(f"betas must be a pair of floats, not {betas!r}")
+    beta1, beta2 = (_number(f"betas[{i}]", b) for i, b in enumerate(betas))
+    if not 0.0 <= beta1 < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 0: {beta1}")
+    if not 0.0 <= beta2 < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 1: {beta2}")
+    weight_decay = _number("weight_decay", weight_decay)
+    if not (math.isfinite(weight_decay) and weight_decay >= 0.0):
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+
+def check_unsupported(options: dict[str, Any]) -> None:
+    """Refuse torch.optim.AdamW options rlhfz does not implement."""
+    if options.get("amsgrad"):
+        raise ValueError("amsgrad=True is not supported by rlhfz.ZeroAdamW")
+    if options.get("capturable"):
+        raise ValueError("capturable=True (CUDA graph capture) is not supported by this build "
+                         "of rlhfz.ZeroAdamW")
+    if options.get("differentiable"):
+        raise ValueError("differentiable=True is not supported by rlhfz.ZeroAdamW")
+    if options.get("foreach") and options.get("fused"):
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+
+
+def check_group(options: dict[str, Any]) -> None:
+    """A param group's options (merged over the defaults)."""
+    check_unsupported(options)
+    check_hparams(options["lr"], options["betas"], options["eps"], options["weight_decay"])
+
+
+def group_hparams(group) -> dict[str, Any]:
+    """The kernels' keywords for one param group, checked."""
+    check_unsupported(group)
+    beta1, beta2 = (float(b) for b in group["betas"])
+    check_hparams(group["lr"], (beta1, beta2), group["eps"], group["weight_decay"])
+    return dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=float(group["eps"]),
+                weight_decay=float(group["weight_decay"]), maximize=bool(group["maximize"]))
+
+
+def check_engine_options(stage, offload, offload_ratio, pin_memory, nonfinite,
+                         param_persistence_threshold, reduce_dtype, collectives) -> None:
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3, not {stage!r}")
+    if offload not in (None, "cpu"):
+        raise ValueError(f"offload must be None or 'cpu', not {offload!r}")
+    if not (isinstance(offload_ratio, (int, float)) and 0.0 <= offload_ratio <= 1.0):
+        raise ValueError(f"offload_ratio must be a number in [0, 1], not {offload_ratio!r}")
+    if pin_memory not in (True, False, "auto"):
+        raise ValueError(f"pin_memory must be True, False or 'auto', not {pin_memory!r}")
+    if nonfinite not in ("raise", "skip", None):
+        raise ValueError(f"nonfinite must be 'raise', 'skip' or None, not {nonfinite!r}")
+    if not (isinstance(param_persistence_threshold, int) and param_persistence_threshold >= 0):
+        raise ValueError("param_persistence_threshold must be an int >= 0")
+    if reduce_dtype not in (None, torch.float32):
+        raise ValueError(f"reduce_dtype must be None (the params' dtype) or torch.float32, "
+                         f"not {reduce_dtype!r}")
+    if collectives not in ("torch", "nccl"):
+        raise ValueError(f"collectives must be 'torch' or 'nccl', not {collectives!r}")
+
+
+def check_params(tensors: list, device: torch.device, groups) -> None:
+    """Params as torch.optim takes them, of the dtypes and device rlhfz
+    steps; none twice, in this group or another one."""
+    seen = set()
+    for p in tensors:
+        if not isinstance(p, torch.Tensor):
+            raise TypeError("optimizer can only optimize Tensors, but one of the params is "
+                            + torch.typename(p))
+        if p.layout != torch.strided:
+            raise ValueError(f"sparse parameters ({p.layout}) are not supported")
+        if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            # complex and float64 are refused on purpose: the kernels step
+            # fp32 master weights, which would silently lose their precision
+            raise TypeError(f"parameters must be float32, bfloat16 or float16, "
+                            f"not {p.dtype}")
+        if p.device != device:
+            raise ValueError(f"every parameter must be on one device: {p.device} (shape "
+                             f"{tuple(p.shape)}) differs from {device}")
+        if id(p) in seen:
+            raise ValueError("a parameter appears more than once in the param group "
+                             f"(shape {tuple(p.shape)})")
+        seen.add(id(p))
+    for group in groups:
+        for q in group["params"]:
+            if id(q) in seen:
+                raise ValueError("some parameters appear in more than one parameter group")
+
+
+def common_device(params: list) -> torch.device:
+    """The device of the first tensor among params (or param-group dicts);
+    check_params then holds every param to it."""
+    for item in params:
+        tensors = [item]
+        if isinstance(item, dict):
+            tensors = item.get("params", [])
+            if isinstance(tensors, torch.Tensor):
+                tensors = [tensors]
+            elif not isinstance(tensors, (list, tuple, set)) and tensors is not None:
+                item["params"] = tensors = list(tensors)   # a generator is read once
+        for t in tensors or []:
+            t = t[1] if isinstance(t, tuple) else t
+            if isinstance(t, torch.Tensor):
+                return t.device
+    return torch.device("cpu")

@@ -1,0 +1,225 @@
+"""Between the engine's state and torch.optim.AdamW's state-dict format.
+
+torch keeps, per param index, {"step", "exp_avg", "exp_avg_sq"} in the
+param's shape (rlhfz adds "master_param" for 16-bit params). The engine
+keeps each rank's shard of flat buckets. This module is the one place that
+translates: whole tensors out (gathered across ranks), and in (each rank
+takes its shard's part, so a dict saved at any world size loads at any
+other), plus a per-rank sharded form for one file per rank.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import torch
+
+from .optim_options import check_group
+
+SHARDED_FORMAT = "rlhfz.sharded_optimizer_state.v1"
+
+
+def positions(param_groups) -> dict[int, int]:
+    """id(param) -> its index in torch's state-dict numbering."""
+    return {id(p): i for i, p in enumerate(p for group in param_groups for p in group["params"])}
+
+
+def packed_groups(param_groups) -> list[dict]:
+    """The param groups as torch's state_dict() packs them (params as indices)."""
+    groups, start = [], 0
+    for group in param_groups:
+        packed = {k: v for k, v in group.items() if k != "params"}
+        packed["params"] = list(range(start, start + len(group["params"])))
+        start += len(group["params"])
+        groups.append(packed)
+    return groups
+
+
+# ---- out ----------------------------------------------------------------------------------
+
+def gathered_state(engine, param_groups) -> dict[int, dict[str, torch.Tensor]]:
+    """torch's "state" with whole tensors: a collective across ranks (each
+    state is all-gathered bucket by bucket)."""
+    position = positions(param_groups)
+    state = {}
+    for bucket in engine.buckets:
+        shards = [("exp_avg", bucket.state.full_shard("exp_avg")),
+                  ("exp_avg_sq", bucket.state.full_shard("exp_avg_sq"))]
+        if bucket.has_master:
+            shards.append(("master_param", bucket.state.full_shard("master")))
+        full = {}
+        for name, shard in shards:
+            full[name] = torch.empty(bucket.layout.padded_numel, dtype=torch.float32,
+                                     device=engine.device)
+            engine.comm.all_gather(full[name], shard)
+        for i, p in enumerate(bucket.params):
+            if not bucket.registered[i]:
+                continue
+            slot = bucket.layout.slots[i]
+            entry = {"step": bucket.steps[i].clone()}
+            for name, flat in full.items():
+                entry[name] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            state[position[id(p)]] = entry
+    return state
+
+
+def sharded_state(engine, param_groups, groups) -> dict[str, Any]:
+    """This rank's part of the state, with where each param's elements sit."""
+    position = positions(param_groups)
+    buckets = []
+    for bucket in engine.buckets:
+        buckets.append({
+            "params": [position[id(p)] for p in bucket.params],
+            "shapes": [tuple(s.shape) for s in bucket.layout.slots],
+            "offsets": [s.offset for s in bucket.layout.slots],
+            "registered": list(bucket.registered),
+            "shard_start": bucket.shard.start,
+            "steps": bucket.steps.clone(),
+            "exp_avg": bucket.state.full_shard("exp_avg").clone(),
+            "exp_avg_sq": bucket.state.full_shard("exp_avg_sq").clone(),
+            "master_param": (bucket.state.full_shard("master").clone()
+                             if bucket.has_master else None),
+        })
+    return {"format": SHARDED_FORMAT, "rank": engine.rank, "world_size": engine.world_size,
+            "param_groups": groups, "buckets": buckets}
+
+
+def consolidate_sharded(shards: list[dict[str, Any]]) -> dict[str, Any]:
+    """The torch.optim.AdamW state dict that a full set of per-rank
+    sharded states describe, whatever world size wrote them."""
+    if not shards or any(not isinstance(s, dict) or s.get("format") != SHARDED_FORMAT
+                         for s in shards):
+        raise ValueError(f"expected a list of {SHARDED_FORMAT} dicts, one per rank")
+    world_size = shards[0]["world_size"]
+    ranks = sorted(s["rank"] for s in shards)
+    if ranks != list(range(world_size)) or any(s["world_size"] != world_size for s in shards):
+        raise ValueError(f"a sharded state needs every rank's part exactly once: got ranks "
+                         f"{ranks} of a world of {world_size}")
+    shards = sorted(shards, key=lambda s: s["rank"])
+    nbuckets = len(shards[0]["buckets"])
+    if any(len(s["buckets"]) != nbuckets for s in shards):
+        raise ValueError("the ranks' parts list different numbers of buckets")
+    state = {}
+    for b in range(nbuckets):
+        parts = [s["buckets"][b] for s in shards]
+        meta = parts[0]
+        full = {}
+        for name in ("exp_avg", "exp_avg_sq", "master_param"):
+            if meta[name] is None:
+                continue
+            full[name] = torch.cat([part[name] for part in parts])
+        for i, (index, shape, offset) in enumerate(zip(meta["params"], meta["shapes"],
+                                                       meta["offsets"])):
+            if not meta["registered"][i]:
+                continue
+            numel = math.prod(shape)
+            entry = {"step": meta["steps"][i].clone()}
+            for name, flat in full.items():
+                if offset + numel > flat.numel():
+                    raise ValueError(f"bucket {b}: param {index} lies past the saved shards")
+                entry[name] = flat[offset:offset + numel].view(shape).clone()
+            state[index] = entry
+    return {"state": state, "param_groups": shards[0]["param_groups"]}
+
+
+# ---- in -----------------------------------------------------------------------------------
+
+def check_state_dict(engine, param_groups, state_dict) -> dict:
+    """Checks a torch.optim.AdamW-format state dict against the optimizer and
+    returns its param index -> param map; raises ValueError (TypeError for
+    options of the wrong type), having changed nothing."""
+    if not isinstance(state_dict, dict) or "state" not in state_dict \
+            or "param_groups" not in state_dict:
+        raise ValueError("a state dict needs 'state' and 'param_groups' entries")
+    saved_groups = state_dict["param_groups"]
+    saved_state = state_dict["state"]
+    if len(saved_groups) != len(param_groups):
+        raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, "
+                         f"but the optimizer has {len(param_groups)}")
+    index_to_param = {}
+    shapes = {id(p): slot.shape for b in engine.buckets
+              for p, slot in zip(b.params, b.layout.slots)}
+    for g, (saved, group) in enumerate(zip(saved_groups, param_groups)):
+        if len(saved["params"]) != len(group["params"]):
+            raise ValueError(f"loaded state dict contains a parameter group that doesn't "
+                             f"match the size of optimizer's group: group {g} has "
+                             f"{len(saved['params'])} params, the optimizer's has "
+                             f"{len(group['params'])}")
+        options = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
+        check_group({**group, **options})
+        index_to_param.update(zip(saved["params"], group["params"]))
+    for key, entry in saved_state.items():
+        if key not in index_to_param:
+            raise ValueError(f"state for parameter {key!r} matches no parameter of the "
+                             f"optimizer")
+        param = index_to_param[key]
+        check_state_entry(key, entry, shapes.get(id(param), tuple(param.shape)))
+    return index_to_param
+
+
+def check_state_entry(key, entry, shape: tuple) -> None:
+    if not isinstance(entry, dict):
+        raise ValueError(f"state for parameter {key!r} is not a dict")
+    for name in ("step", "exp_avg", "exp_avg_sq"):
+        if name not in entry:
+            raise ValueError(f"state for parameter {key!r} has no {name!r}")
+    step = entry["step"]
+    if isinstance(step, torch.Tensor):
+        if step.numel() != 1:
+            raise ValueError(f"state[{key!r}]['step'] must be a scalar")
+        step = step.item()
+    try:
+        whole = (isinstance(step, (int, float)) and math.isfinite(step) and step >= 0
+                 and float(step).is_integer())
+    except OverflowError:        # an int no float can hold
+        whole = False
+    if not whole:
+        raise ValueError(f"state[{key!r}]['step'] must be a whole number >= 0, not {step!r}")
+    names = ["exp_avg", "exp_avg_sq"] + (["master_param"] if "master_param" in entry else [])
+    for name in names:
+        value = entry[name]
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"state[{key!r}][{name!r}] must be a tensor")
+        if tuple(value.shape) != tuple(shape):
+            raise ValueError(f"state[{key!r}][{name!r}] has shape {tuple(value.shape)} but "
+                             f"the parameter has shape {tuple(shape)}: the state dict "
+                             f"is from another model")
+        if not value.is_floating_point():
+            raise ValueError(f"state[{key!r}][{name!r}] must be floating point, "
+                             f"not {value.dtype}")
+
+
+def load_checked(engine, param_groups, state_dict, index_to_param) -> None:
+    """Writes a state dict that check_state_dict passed: group options (saved
+    param_names too, as torch keeps them) and each rank's part of the state."""
+    for saved, group in zip(state_dict["param_groups"], param_groups):
+        for k, v in saved.items():
+            if k != "params":
+                group[k] = copy.deepcopy(v)
+    loaded = {id(index_to_param[k]): entry for k, entry in state_dict["state"].items()}
+    for bucket in engine.buckets:
+        state = bucket.state
+        for i, p in enumerate(bucket.params):
+            entry = loaded.get(id(p))
+            if entry is None:
+                a, b = bucket.shard.local[i]
+                zeros = torch.zeros(b - a)
+                state.write("exp_avg", i, zeros)
+                state.write("exp_avg_sq", i, zeros)
+                state.steps[i] = 0.0
+                if bucket.has_master:
+                    state.write("master", i, bucket.param_shard_part(i).float())
+                engine.unregister(bucket, i)
+                continue
+            state.write("exp_avg", i, bucket.local_part(i, entry["exp_avg"]))
+            state.write("exp_avg_sq", i, bucket.local_part(i, entry["exp_avg_sq"]))
+            state.steps[i] = float(entry["step"])
+            if bucket.has_master:
+                master = entry.get("master_param")
+                state.write("master", i, (bucket.local_part(i, master) if master is not None
+                                          else bucket.param_shard_part(i)).float())
+            engine.register(bucket, i)
+        # fp32 params are their own master: the host part's copy follows them
+        bucket.pull_host_part(master=not bucket.has_master)
+    engine.grads_changed()
