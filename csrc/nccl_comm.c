@@ -510,6 +510,7 @@ static int collective_args(NcclComm *self, PyObject *module, rlhfz_borrowed *b, 
     return borrow_buffers(self, module, b, a, send, recv);
 }
 
+#ifdef RLHFZ_WITH_CUDA
 /* The NCCL call itself; runs without the GIL. */
 static ncclResult_t call_nccl(const rlhfz_nccl_library *lib, ncclComm_t comm, const coll_args *a)
 {
@@ -525,6 +526,7 @@ static ncclResult_t call_nccl(const rlhfz_nccl_library *lib, ncclComm_t comm, co
     }
     return ncclInvalidArgument;
 }
+#endif
 
 /* Queues the collective on a->stream with the GIL released, then keeps the
  * DLPack borrows of b behind an event recorded after it (rlhfz views need no
