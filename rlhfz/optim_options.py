@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from .engine import DTYPE_NAMES
+
 
 def _number(name: str, value) -> float:
     """A hyperparameter as a float. Like torch, which compares it with 0.0,
@@ -99,7 +101,7 @@ def check_params(tensors: list, device: torch.device, groups) -> None:
                             + torch.typename(p))
         if p.layout != torch.strided:
             raise ValueError(f"sparse parameters ({p.layout}) are not supported")
-        if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        if p.dtype not in DTYPE_NAMES:
             # complex and float64 are refused on purpose: the kernels step
             # fp32 master weights, which would silently lose their precision
             raise TypeError(f"parameters must be float32, bfloat16 or float16, "

@@ -10,8 +10,9 @@
 
 Nothing here imports torch.optim or another rlhfz module above it.
 """
-from .backends import CudaBackend, HostBackend, SimulatedCudaBackend, backend_for, torch_view
-from .bucket import DTYPE_NAMES, Bucket
+from .backends import (DTYPE_NAMES, CudaBackend, HostBackend, SimulatedCudaBackend, backend_for,
+                       torch_view)
+from .bucket import Bucket
 from .engine import BucketPlan, ShardEngine
 from .host_memory import PinnedPool, host_buffer, pin_budget, release_pinned
 from .layout import (ALIGN_BYTES, BucketLayout, ShardLayout, Slot, plan_bucket, rank_range,

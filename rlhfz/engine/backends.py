@@ -27,6 +27,8 @@ import torch
 from .. import _C
 
 SIM_DEVICE_ENV = "RLHFZ_SIM_DEVICE"
+# The param dtypes rlhfz steps, by the names the C core gives them.
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def torch_view(view) -> torch.Tensor:
@@ -225,7 +227,7 @@ class SimulatedCudaBackend(CudaBackend):
         """Simulated device memory of its own (torch allocates host memory)."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         buffer = _C.Buffer(numel * itemsize, tier="device", device=self.index, zero=False)
-        return torch_view(buffer.view(_DTYPE_NAMES[dtype]))
+        return torch_view(buffer.view(DTYPE_NAMES[dtype]))
 
     def device_address(self, tensor: torch.Tensor) -> int:
         """The device pointer a CPU tensor over the host alias stands for; a
@@ -237,8 +239,6 @@ class SimulatedCudaBackend(CudaBackend):
                              f"{self.index}")
         return address
 
-
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def simulated_device() -> int | None:

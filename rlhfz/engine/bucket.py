@@ -13,12 +13,10 @@ import weakref
 
 import torch
 
-from .backends import HostBackend, torch_view
+from .backends import DTYPE_NAMES, HostBackend, torch_view
 from .layout import BucketLayout, ShardLayout, plan_bucket
 from .state import ShardState
 from .storage import REGIONS, FlatStorage
-
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 class Bucket:

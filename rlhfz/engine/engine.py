@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .backends import HostBackend
-from .bucket import DTYPE_NAMES, Bucket
+from .backends import DTYPE_NAMES, HostBackend
+from .bucket import Bucket
 from .layout import stage2_bucket_bytes
 
 
@@ -254,8 +254,8 @@ class ShardEngine:
             value = torch.tensor([local], dtype=torch.float64)
             self.comm.all_reduce_max_control(value, "clip_grad_norm_")
             return float(value)
-        local = sum(float(torch.linalg.vector_norm(g.double(), norm_type)) ** norm_type
-                    for g in grads)
+        local = sum(float(torch.linalg.vector_norm(g, norm_type, dtype=torch.float64))
+                    ** norm_type for g in grads)
         if self.comm is not None:
             local = self.comm.all_reduce_sum_host(local)
         return local ** (1.0 / norm_type)
