@@ -223,6 +223,35 @@ static inline unsigned int rlhfz_elementwise_grid(Kernel kernel, size_t n, bool 
     return (unsigned int)((waves < most ? waves : most) * wave);
 }
 
+/* Blocks of `block` threads for `items` units of work (one per thread per
+ * pass): one per `block` units, at most one wave (the multiprocessors times
+ * the blocks of this kernel that fit on one, asked of the runtime once per
+ * kernel and device); the grid-stride loop takes the rest. */
+template <typename Kernel>
+static inline unsigned int rlhfz_one_wave_grid(Kernel kernel, int block, size_t items)
+{
+    static int wave[RLHFZ_MAX_DEVICES];
+    size_t needed = (items + (size_t)block - 1) / (size_t)block;
+    if (needed < 1)
+        needed = 1;
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= RLHFZ_MAX_DEVICES) {
+        (void)cudaGetLastError();
+        return needed < RLHFZ_MAX_BLOCKS ? (unsigned int)needed : RLHFZ_MAX_BLOCKS;
+    }
+    if (wave[device] <= 0) {
+        int sms = 0, blocks = 0;
+        if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, block, 0) !=
+                cudaSuccess || sms <= 0 || blocks <= 0) {
+            (void)cudaGetLastError();
+            return needed < RLHFZ_MAX_BLOCKS ? (unsigned int)needed : RLHFZ_MAX_BLOCKS;
+        }
+        wave[device] = sms * blocks;        /* racing writers store the same value */
+    }
+    return needed < (size_t)wave[device] ? (unsigned int)needed : (unsigned int)wave[device];
+}
+
 /* Calls launch(tag) with decltype(tag)::value the compile-time twin of
  * dtype (already checked with rlhfz_dtype_known): the one place a run-time
  * dtype picks a kernel instantiation. */
