@@ -134,12 +134,7 @@ class ZeroAdamW(Optimizer):
         # Nothing the engine keeps refers back to the optimizer: with no cycle,
         # an optimizer dropped is freed at once (its device memory too),
         # not at some later garbage collection.
-        self.engine = ShardEngine(
-            self.backend, self.comm, stage=stage,
-            host_ratio=self.offload_ratio if offload == "cpu" else 0.0,
-            reduce_dtype=reduce_dtype,
-            host_alloc=functools.partial(host_buffer, pin_memory=pin_memory, zero=True))
-        self.engine.on_state = _state_keeper(weakref.ref(self))
+        self._make_engine()
         if stage >= 2 and self.world_size > 1:
             self.engine.use_reducer(GradReducer(self.engine.buckets, self.comm, self.backend))
         # Stage 3 across ranks: params sharded too, gathered per unit (stage3.py).
@@ -156,9 +151,63 @@ class ZeroAdamW(Optimizer):
         super().__init__(params, defaults)
         _LIVE.add(self)
 
+    def _make_engine(self) -> None:
+        self.engine = ShardEngine(
+            self.backend, self.comm, stage=self.stage,
+            host_ratio=self.offload_ratio if self.offload_target == "cpu" else 0.0,
+            reduce_dtype=self.reduce_dtype,
+            host_alloc=functools.partial(host_buffer, pin_memory=self.pin_memory, zero=True))
+        self.engine.on_state = _state_keeper(weakref.ref(self))
+
     @property
     def reducer(self):
         return self.engine.reducer
+
+    # ---- a model moved after the optimizer was built ---------------------------------
+
+    def _follow_moved_params(self) -> None:
+        """model.to(device), .cuda() or .cpu() after the optimizer was built
+        gives every param a copy on the new device (torch's module._apply
+        replaces .data), and torch's AdamW trains on with the same param
+        objects. Here the buckets, master weights and moments follow: new
+        ones on that device, the params views of them again, the state
+        copied over, the old memory freed. In one process, stages 0-2;
+        elsewhere this refuses, before anything changes."""
+        target = self.engine.moved_to()
+        if target is None:
+            return
+        where = ("across processes" if self.comm is not None else
+                 "at stage 3" if self.stage == 3 else
+                 "while state is offloaded (call reload() first)" if self.engine.offloaded
+                 else None)
+        if where is not None:
+            raise RuntimeError(
+                f"the params were moved to {target} after the optimizer was built "
+                f"(model.to() / .cuda() / .cpu()); ZeroAdamW follows such a move in one "
+                f"process at stages 0-2, not {where}: build the optimizer after placing the "
+                f"model, or use offload() / reload() to move its memory")
+        backend = backend_for(target)
+        self.synchronize()
+        params = [p for group in self.param_groups for p in group["params"]]
+        saved = {p: dict(self.state[p]) for p in params if p in self.state}
+        old = (self.engine, self.backend, self.device)
+        self.backend, self.device = backend, target
+        try:
+            self._make_engine()
+            # allocate every group's buckets first: out of memory, nothing has moved
+            made = [self.engine.make_buckets(index, self._parts(list(group["params"])))
+                    for index, group in enumerate(self.param_groups)]
+        except BaseException:
+            self.engine, self.backend, self.device = old
+            raise
+        for group_made in made:
+            self.engine.attach([b for _, buckets in group_made for b in buckets])
+        old[0].detach()
+        position = translate.positions(self.param_groups)
+        moved = {"param_groups": translate.packed_groups(self.param_groups),
+                 "state": {position[id(p)]: entry for p, entry in saved.items()}}
+        index_to_param = translate.check_state_dict(self.engine, self.param_groups, moved)
+        translate.load_checked(self.engine, self.param_groups, moved, index_to_param)
 
     # ---- copies ----------------------------------------------------------------
 
@@ -243,6 +292,7 @@ class ZeroAdamW(Optimizer):
     # ---- gradients ---------------------------------------------------------------
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._follow_moved_params()
         self.engine.zero_grads(set_to_none)
 
     @torch.no_grad()
@@ -252,6 +302,7 @@ class ZeroAdamW(Optimizer):
         the norm before clipping, as torch.nn.utils.clip_grad_norm_ does
         (norm_type: any p > 0, or inf; foreach is accepted and changes nothing)."""
         self.synchronize()
+        self._follow_moved_params()
         norm_type, max_norm = float(norm_type), float(max_norm)
         plans = self.engine.plan("clip_grad_norm_")
         total = self.engine.norm(plans, norm_type)
@@ -278,6 +329,7 @@ class ZeroAdamW(Optimizer):
         if record["stage"] is not OptState.READY:
             raise RuntimeError("unscale_() has already been called on this optimizer since "
                                "the last update(), or step() was")
+        self._follow_moved_params()
         self._scaler_unscale(self.engine.plan("unscale_"), grad_scaler, reached=False)
         record["stage"] = OptState.UNSCALED
 
@@ -309,6 +361,7 @@ class ZeroAdamW(Optimizer):
         # Everything that can fail is checked before the first kernel runs,
         # so a refused step leaves params and state exactly as they were.
         hparams = [group_hparams(group) for group in self.param_groups]
+        self._follow_moved_params()
         plans = self.engine.plan()
         if grad_scaler is not None and not self._scaler_unscale(plans, grad_scaler):
             self.skipped_steps += 1           # the scaler backs off; nothing changes

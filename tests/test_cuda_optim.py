@@ -202,7 +202,7 @@ def test_clip_grad_norm_matches_torch():
         (100 * torch.nn.functional.mse_loss(net(x), y)).backward()
     norm = opt.clip_grad_norm_(1.0)
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-    assert norm.device == DEVICE and ref_norm.item() > 1.0        # it did clip
+    assert norm.device.type == DEVICE.type and ref_norm.item() > 1.0        # it did clip
     # rlhfz sums squares in float64, torch in float32
     assert norm.item() == pytest.approx(ref_norm.item(), rel=1e-5)
     for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
@@ -311,7 +311,7 @@ def test_bf16_state_dict_round_trips_master_weights():
     opt.step()
     sd = copy.deepcopy(opt.state_dict())
     master = sd["state"][0]["master_param"]
-    assert master.dtype == torch.float32 and master.device == DEVICE
+    assert master.dtype == torch.float32 and master.device.type == DEVICE.type
     q = torch.nn.Parameter(p.detach().clone())
     opt2 = rlhfz.ZeroAdamW([q], lr=1e-3)
     opt2.load_state_dict(sd)
@@ -353,3 +353,45 @@ def test_step_runs_on_torchs_current_stream():
     torch.cuda.current_stream().wait_stream(side)
     assert torch.equal(p.detach(), expected.detach())
     assert bool((p.detach() < 0).all())
+
+
+@needs_real_gpu
+@pytest.mark.parametrize("stage, options", [(0, {}), (2, {}), (1, {"offload": "cpu",
+                                                                  "offload_ratio": 0.5})],
+                         ids=["stage0", "stage2", "stage1-half-on-host"])
+@pytest.mark.parametrize("move", ["to_cuda", "cuda", "cpu"])
+@pytest.mark.parametrize("moved_at", [0, 2], ids=["before-the-first-step", "after-two-steps"])
+def test_a_model_moved_after_the_optimizer_was_built_trains_as_with_torch(moved_at, move, stage,
+                                                                          options):
+    """The common order "build the optimizer, then model.to(device)" (and
+    back with .cpu()): torch's AdamW trains on with the same param objects,
+    and so does ZeroAdamW, its buckets and state following the params. After
+    steps, torch's state stays behind (its step then fails on two devices)
+    until load_state_dict(state_dict()) moves it to the params; ZeroAdamW's
+    follows by itself."""
+    torch.manual_seed(0)
+    start = "cpu" if move != "cpu" else "cuda"
+    net = Net().to(start)
+    ref = copy.deepcopy(net)
+    opt = rlhfz.ZeroAdamW(net.parameters(), lr=1e-2, weight_decay=0.01, stage=stage, **options)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(moved_at + 4):
+        if step == moved_at:
+            for model in (net, ref):
+                {"to_cuda": lambda m: m.to("cuda"), "cuda": lambda m: m.cuda(),
+                 "cpu": lambda m: m.cpu()}[move](model)
+            if ref_opt.state:
+                ref_opt.load_state_dict(ref_opt.state_dict())   # torch: state to the params
+        device = start if step < moved_at else ("cpu" if move == "cpu" else "cuda")
+        x, y = (t.to(device) for t in _batch(gen))
+        _train_step(ref, ref_opt, x, y)
+        _train_step(net, opt, x, y)
+        _assert_params_close(net, ref, f"step {step}")
+    assert {p.device.type for p in net.parameters()} == {device}
+    assert opt.device.type == device
+    # the state lives where the params went; nothing stays on the device after .cpu()
+    assert (opt.memory_report()["exp_avg"]["device"] > 0) == (device == "cuda")
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(opt.state[p]["exp_avg"].to(device), ref_opt.state[q]["exp_avg"],
+                                   rtol=1e-5, atol=1e-7)

@@ -321,3 +321,33 @@ def test_cuda_params_without_a_usable_device_say_why():
     from rlhfz.engine import CudaBackend
     with pytest.raises(RuntimeError, match="parameters are on cuda:0, but rlhfz cannot use CUDA"):
         CudaBackend(torch.device("cuda", 0))
+
+
+def test_a_move_the_optimizer_cannot_follow_is_refused_before_anything_changes(monkeypatch):
+    """model.to(device) after the optimizer was built is followed on a GPU
+    (tests/test_cuda_optim.py). A move it cannot follow (to a device it
+    cannot hold state on, or while its state is offloaded) is refused at the
+    next call, with params and state as they were. The move itself needs a
+    second device, so here the engine reports one."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = rlhfz.ZeroAdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    before = {k: v.clone() for k, v in opt.state[model.weight].items()}
+    weight = model.weight.detach().clone()
+    assert opt.engine.moved_to() is None
+    monkeypatch.setattr(opt.engine, "moved_to", lambda: torch.device("meta"))
+    with pytest.raises(ValueError, match="CPU or a CUDA device, not meta"):
+        opt.zero_grad()
+    with pytest.raises(ValueError, match="CPU or a CUDA device, not meta"):
+        opt.step()
+    opt.offload(to="cpu")
+    with pytest.raises(RuntimeError, match="reload\\(\\) first"):
+        opt.step()
+    monkeypatch.undo()
+    opt.reload()
+    assert opt.device == torch.device("cpu")
+    assert torch.equal(model.weight.detach(), weight)
+    for key, value in opt.state[model.weight].items():
+        assert torch.equal(value, before[key]), key

@@ -163,6 +163,25 @@ class ShardEngine:
                                f"{', '.join(sorted(self.offloaded))} are offloaded: call "
                                f"reload() first")
 
+    def moved_to(self) -> torch.device | None:
+        """The device that every param was moved to outside rlhfz
+        (model.to(device) after the optimizer was built), or None: none
+        moved, or not all alike (plan() then says what is wrong)."""
+        pairs = [(p, view) for bucket in self.buckets if bucket.param_views is not None
+                 for p, view in zip(bucket.params, bucket.param_views)]
+        devices = {p.device for p, _ in pairs}
+        if len(devices) != 1 or next(iter(devices)) == self.device:
+            return None
+        if any(p.dtype != view.dtype or p.shape != view.shape for p, view in pairs):
+            return None
+        return next(iter(devices))
+
+    def detach(self) -> None:
+        """Lets go of the params: no more grad hooks (the engine that takes
+        them over attaches its own)."""
+        for bucket in self.buckets:
+            bucket.detach_hooks()
+
     def plan(self, call: str = "step") -> list[BucketPlan]:
         """Every bucket's plan, with grads reduced across ranks."""
         self.require_home(call)
@@ -382,6 +401,10 @@ class ShardEngine:
 
 
 def _keep_grad_in_bucket(bucket: Bucket, index: int, param: torch.Tensor) -> None:
+    # a param moved to another device outside rlhfz keeps its grad where
+    # autograd made it: the next step adopts the move (or refuses it)
+    if param.device != bucket.grad_views[index].device:
+        return
     if param.grad is not bucket.grad_views[index]:
         bucket.adopt_grad(index)
 
