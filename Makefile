@@ -74,8 +74,8 @@ structure: install
 
 # A GPU machine keeps its own CUDA torch (and may have no network): build rlhfz in
 # place for sm_90 (~20 s), install nothing. Then the benchmarks and the GPU tests,
-# each phase under a time limit, 21 minutes at most (gpu_check.py --dry-run prints
-# the plan). Results in GPU_CHECK_OUT: summary.md (for benchmarks/RESULTS.md), one
+# each phase under a time limit (about 8 minutes on an H200; gpu_check.py --dry-run
+# prints the plan and the limits). Results in GPU_CHECK_OUT: summary.md (for benchmarks/RESULTS.md), one
 # archive of the logs, junit XML and benchmark JSON, and the build's log.
 #   e.g. make gpu-check GPU_CHECK_OUT="$OUT" GPU_CHECK_ARGS="--no-tests --budget 540"
 # make gpu-sanitize: the kernel tests under compute-sanitizer (memcheck, racecheck,

@@ -10,7 +10,13 @@ wall-clock limit; a phase cut off is recorded as such and the run goes on.
      fused and foreach AdamW, with the device copy bound of the same run;
    - bench-offload: offload/reload GB/s against one pinned cudaMemcpy of the
      same bytes, and a step with host-resident optimizer state;
-   - bench-generation: gather_for_generation's modes under stage 3.
+   - bench-offload-sweep: the same at 1, 4 and 8 GiB of state;
+   - bench-offload-step-1B: a 1B-param step with its state on the device,
+     half on the host, all on the host;
+   - bench-nccl: rlhfz's native NCCL engine against torch.distributed's, per
+     collective and in a stage-2 iteration (one GPU: a world of one rank).
+   Stage-3 generation needs two ranks, so two GPUs under NCCL: it is not a
+   phase while gpu-check runs on one (its CPU benchmark is the gloo one).
 2. The GPU test files, one pytest run each (an import error in one cannot
    hide the others), and the offload benchmark file once as a plain test.
    The kernel file's compute-sanitizer test is left to make gpu-sanitize.
@@ -106,7 +112,7 @@ def _test(name, target, limit_s, test_timeout_s=60, args=(), plugin=False):
                  needs_benchmark_plugin=plugin)
 
 
-def _sanitize(name, tool, target, limit_s, kernel_filter=False):
+def _sanitize(name, tool, target, limit_s, kernel_filter=True):
     # without torch's caching allocator memcheck sees each tensor's real bounds
     env = {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"} if tool == "memcheck" else {}
     # tests run 10-100x slower under the tool: one stuck test still leaves time for the rest
@@ -114,15 +120,19 @@ def _sanitize(name, tool, target, limit_s, kernel_filter=False):
                  tool=tool, kernel_filter=kernel_filter, env=env)
 
 
-# 10 minutes of benchmarks and 11 of tests: 21 minutes at most, with the
-# ~20 s build well inside a 30-minute window.
+# Benchmarks first (18.5 minutes of limits; they took 2.5 on an H200), then
+# the tests (11 minutes of limits; 1.8 on an H200).
 CHECK_PHASES = [
     # one process per size: a 1B run cut off still leaves the 100M table
     _bench("bench-adamw-100M", "benchmarks/test_bench_adamw_cuda.py", 120, 60, ["-k", "100M"]),
     _bench("bench-adamw-1B", "benchmarks/test_bench_adamw_cuda.py", 210, 150, ["-k", "1B"]),
-    # the device <-> pinned comparisons and the step with host-resident state
-    _bench("bench-offload", "benchmarks/test_bench_offload.py", 150, 60, ["-k", "not disk"]),
-    _bench("bench-generation", "benchmarks/test_bench_generation.py", 120, 110),
+    # the device <-> pinned comparisons at 1 GiB and a 32M step with host-resident state
+    _bench("bench-offload", "benchmarks/test_bench_offload.py", 150, 60,
+           ["-k", "not disk and not sweep and not 1B"]),
+    # 1, 4 and 8 GiB of state each way against cudaMemcpy; a 1B step with state on the host
+    _bench("bench-offload-sweep", "benchmarks/test_bench_offload.py", 240, 120, ["-k", "sweep"]),
+    _bench("bench-offload-step-1B", "benchmarks/test_bench_offload.py", 240, 150, ["-k", "1B"]),
+    _bench("bench-nccl", "benchmarks/test_bench_nccl_cuda.py", 150, 60),
     _test("test-cuda-buffers", "tests/test_cuda_buffers.py", 45),
     _test("test-cuda-collectives", "tests/test_cuda_collectives.py", 60),
     _test("test-cuda-kernels", "tests/test_cuda_kernels.py", 150, args=NOT_SANITIZER_TEST),
@@ -130,22 +140,24 @@ CHECK_PHASES = [
     _test("test-cuda-optim", "tests/test_cuda_optim.py", 120),
     _test("test-offload-cuda", "tests/test_offload_cuda.py", 90),
     _test("test-nccl", "tests/test_nccl.py", 90, test_timeout_s=80),
-    # each benchmark once, as a test: the timings are phase bench-offload's
+    # each benchmark once, as a test: the timings are the bench-offload phases'
     _test("test-bench-offload", "benchmarks/test_bench_offload.py", 60,
-          args=["--benchmark-disable"], plugin=True),
+          args=["--benchmark-disable", "-k", "not sweep and not 1B"], plugin=True),
 ]
 
-# With the probe, 26.5 minutes at most.
+# With the probe, 27.5 minutes at most.
 SANITIZE_PHASES = [
     # memcheck, racecheck, initcheck and synccheck over every kernel, without torch
     Phase("kernels-sanitizer-test", "test", "tests/test_cuda_kernels.py", 300, 290,
           ["-k", "compute_sanitizer"]),
     _sanitize("memcheck-cuda-kernels", "memcheck", "tests/test_cuda_kernels.py", 300),
     _sanitize("memcheck-cuda-buffers", "memcheck", "tests/test_cuda_buffers.py", 90),
-    _sanitize("memcheck-cuda-optim", "memcheck", "tests/test_cuda_optim.py", 180),
+    # rlhfz's kernels only: under memcheck every one of torch's kernels is
+    # instrumented as it loads, and the optimizer file alone took over 180 s
+    _sanitize("memcheck-cuda-optim", "memcheck", "tests/test_cuda_optim.py", 240),
     _sanitize("memcheck-offload-cuda", "memcheck", "tests/test_offload_cuda.py", 150),
-    _sanitize("racecheck-cuda-kernels", "racecheck", "tests/test_cuda_kernels.py", 240, True),
-    _sanitize("synccheck-cuda-kernels", "synccheck", "tests/test_cuda_kernels.py", 180, True),
+    _sanitize("racecheck-cuda-kernels", "racecheck", "tests/test_cuda_kernels.py", 240),
+    _sanitize("synccheck-cuda-kernels", "synccheck", "tests/test_cuda_kernels.py", 180),
 ]
 
 
@@ -636,7 +648,25 @@ def _generation_table(benchmarks: list[dict]) -> list[str]:
     return lines
 
 
-# A benchmark phase feeds the table whose key its name starts with.
+def _extra_info_table(benchmarks: list[dict]) -> list[str]:
+    """One row per benchmark: its median and the figures in its extra_info."""
+    keys = []
+    for bench in benchmarks:
+        for key, value in bench.get("extra_info", {}).items():
+            if key not in keys and key not in ("device", "torch"):
+                keys.append(key)
+
+    def shown(value):
+        if isinstance(value, dict):
+            return ", ".join(f"{k}: {v}" for k, v in value.items())
+        return "-" if value is None else str(value)
+    rows = [(bench["name"].removeprefix("test_"), _cell(bench["stats"]["median"] * 1e3, ".3f"))
+            + tuple(shown(bench.get("extra_info", {}).get(key)) for key in keys)
+            for bench in benchmarks]
+    return _markdown(("benchmark", "median ms", *keys), rows)
+
+
+# A benchmark phase feeds the table whose key is the longest its name starts with.
 BENCH_TABLES = {
     "bench-adamw": ("AdamW step, fp32: median of the rounds; GB/s counts 28 bytes per param; "
                     "bound: the device's copy bandwidth, measured in the same run", _adamw_table),
@@ -645,11 +675,18 @@ BENCH_TABLES = {
                       _offload_table),
     "bench-generation": ("Generation under stage 3, 2 gloo ranks (CPU): GPT-2, 12 blocks, "
                          "batch 16, 64 new tokens", _generation_table),
+    "bench-offload-sweep": ("Offload / reload at 1, 4 and 8 GiB of state against one pinned "
+                            "cudaMemcpy of the same bytes each way", _extra_info_table),
+    "bench-offload-step-1B": ("A 1B-param step with the optimizer state on the device, half on "
+                              "the host, all on the host", _extra_info_table),
+    "bench-nccl": ("rlhfz's native NCCL engine against torch.distributed's, one GPU",
+                   _extra_info_table),
 }
 
 
 def _table_key(phase: Phase) -> str | None:
-    return next((key for key in BENCH_TABLES if phase.name.startswith(key)), None)
+    keys = [key for key in BENCH_TABLES if phase.name.startswith(key)]
+    return max(keys, key=len) if keys else None
 
 
 def _tables(collected: dict[str, list[dict] | None]) -> dict[str, list[str]]:
@@ -675,7 +712,7 @@ def _write_summary(ctx: Context, plan: list[tuple[int, Phase, float]], results: 
     lines.append(f"`{ctx.mode.title}`: {state}. The phases took {spent / 60:.1f} min of their "
                  f"{limits / 60:.1f} min of limits; {per_test}.")
     if ctx.mode is SANITIZE and ctx.sanitizer_version:
-        filtered = ("racecheck and synccheck check rlhfz's kernels only"
+        filtered = ("memcheck, racecheck and synccheck check rlhfz's kernels only"
                     if ctx.kernel_filter else "this compute-sanitizer has no --kernel-name: "
                     "racecheck and synccheck check every kernel")
         lines.append(f"{ctx.sanitizer_version}: {filtered}.")
@@ -724,14 +761,11 @@ def _select(mode: Mode, args) -> list[Phase]:
 
 
 def _plan(phases: list[Phase], budget: float | None) -> list[tuple[int, Phase, float]]:
-    """(index, phase, limit): a budget shortens the last limits to fit."""
-    plan, left = [], budget
-    for index, phase in enumerate(phases, start=1):
-        limit = phase.limit_s if left is None else max(0.0, min(phase.limit_s, left))
-        plan.append((index, phase, limit))
-        if left is not None:
-            left -= limit
-    return plan
+    """(index, phase, limit). A budget caps each limit; the time the phases
+    before it actually took comes off when the phase starts (main), so
+    phases that finish early leave their time to the ones after."""
+    return [(index, phase, phase.limit_s if budget is None else min(phase.limit_s, budget))
+            for index, phase in enumerate(phases, start=1)]
 
 
 def _print_plan(ctx: Context, plan, budget) -> None:

@@ -16,7 +16,9 @@ GPU ones and the step (-k 'not disk'), then runs the whole file once as a test
 import gc
 import os
 import shutil
+import statistics
 import tempfile
+import time
 
 import numpy as np
 import pytest
@@ -195,9 +197,14 @@ def test_step_with_host_resident_state(benchmark, ratio):
     on the params' device (here: the CPU when no GPU, where it only adds the
     split's copies). 32M fp32 params in 8 tensors."""
     benchmark.group = f"step with offload='cpu' ({_device}, {STEP_NUMEL >> 20}M params)"
+    _time_host_resident_step(benchmark, STEP_NUMEL, ratio, ROUNDS * 2)
+
+
+def _time_host_resident_step(benchmark, numel: int, ratio, rounds: int) -> None:
+    """Times the step of `numel` fp32 params in 8 tensors on _device, with
+    the last `ratio` of the state on the host (None: no offload)."""
     torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(STEP_NUMEL // 8, device=_device))
-              for _ in range(8)]
+    params = [torch.nn.Parameter(torch.randn(numel // 8, device=_device)) for _ in range(8)]
     options = {} if ratio is None else dict(offload="cpu", offload_ratio=ratio)
     opt = rlhfz.ZeroAdamW(params, lr=1e-3, nonfinite=None, **options)
     for p in params:
@@ -207,7 +214,76 @@ def test_step_with_host_resident_state(benchmark, ratio):
         opt.step()
         if _device == "cuda":
             torch.cuda.synchronize()
-    benchmark.pedantic(step, rounds=ROUNDS * 2, warmup_rounds=1)
-    benchmark.extra_info["device"] = _device
-    benchmark.extra_info["params"] = STEP_NUMEL
-    benchmark.extra_info["offload_ratio"] = ratio
+    benchmark.pedantic(step, rounds=rounds, warmup_rounds=1)
+    benchmark.extra_info.update(device=_device, params=numel, offload_ratio=ratio,
+                                host_threads=rlhfz.build_info().get("threads"))
+
+
+# ---- offload / reload at 1-8 GiB of state, and a 1B step with host-resident state (GPU) -------
+
+SWEEP_GIB = [1, 4, 8]
+
+
+@needs_gpu
+@pytest.mark.parametrize("gib", SWEEP_GIB)
+def test_offload_reload_sweep(benchmark, gib):
+    """rlhfz's offload and reload of `gib` GiB of state (params, grads and both
+    moments of gib/16 G fp32 params) against one pinned cudaMemcpy of the same
+    bytes each way, all timed in this test (median of 3 after a warm-up);
+    the benchmark's own rounds time the offload + reload round trip."""
+    benchmark.group = "offload sweep (GPU)"
+    numel = (gib << 30) // 16
+    param = torch.nn.Parameter(torch.randn(numel, device="cuda"))
+    opt = rlhfz.ZeroAdamW([param], lr=1e-3, nonfinite=None)
+    param.grad = torch.randn_like(param)
+    opt.step()
+    nbytes = _state_bytes(opt)
+
+    def median_s(fn, setup=None, rounds=3):
+        times = []
+        for _ in range(rounds + 1):
+            if setup:
+                setup()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[1:])
+
+    offload_s = median_s(opt.offload, setup=opt.reload)
+    reload_s = median_s(opt.reload, setup=opt.offload)
+    del opt, param
+    gc.collect()
+    torch.cuda.empty_cache()
+    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    raw_to_host_s = median_s(lambda: pinned.copy_(device, non_blocking=True))
+    raw_to_device_s = median_s(lambda: device.copy_(pinned, non_blocking=True))
+
+    def round_trip():
+        pinned.copy_(device, non_blocking=True)
+        device.copy_(pinned, non_blocking=True)
+        torch.cuda.synchronize()
+    benchmark.pedantic(round_trip, rounds=1, iterations=1)
+    info = benchmark.extra_info
+    info.update(gib=gib, bytes=nbytes,
+                offload_GBps=round(nbytes / offload_s / 1e9, 2),
+                reload_GBps=round(nbytes / reload_s / 1e9, 2),
+                raw_to_host_GBps=round(nbytes / raw_to_host_s / 1e9, 2),
+                raw_to_device_GBps=round(nbytes / raw_to_device_s / 1e9, 2),
+                offload_fraction_of_raw=round(raw_to_host_s / offload_s, 3),
+                reload_fraction_of_raw=round(raw_to_device_s / reload_s, 3),
+                offload_s=round(offload_s, 3), reload_s=round(reload_s, 3))
+    print(f"\n{gib} GiB: offload {info['offload_GBps']} GB/s ({info['offload_fraction_of_raw']} "
+          f"of raw), reload {info['reload_GBps']} GB/s ({info['reload_fraction_of_raw']} of raw)")
+
+
+@needs_gpu
+@pytest.mark.parametrize("ratio", [None, 0.5, 1.0], ids=["plain", "ratio0.5", "ratio1"])
+def test_step_1B_with_host_resident_state(benchmark, ratio):
+    """A 1B-param fp32 model's step (8 tensors) with its optimizer state on the
+    device, half of it on the host, or all of it on the host (CPU SIMD Adam,
+    params copied back): what offload="cpu" costs per step at scale."""
+    benchmark.group = "1B step with offload='cpu' (cuda)"
+    _time_host_resident_step(benchmark, 1_000_000_000, ratio, 3)
