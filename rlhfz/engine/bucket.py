@@ -200,7 +200,8 @@ class Bucket:
         another dtype or device cannot: that raises."""
         if self.param_views is None:
             return
-        for p, view in zip(self.params, self.param_views):
+        changed = []
+        for i, (p, view) in enumerate(zip(self.params, self.param_views)):
             if p.data_ptr() == view.data_ptr() or p.numel() == 0 and view.numel() == 0:
                 continue
             if p.dtype != view.dtype or p.device != view.device or p.shape != view.shape:
@@ -211,8 +212,46 @@ class Bucket:
                     f"{view.device}: build the optimizer after placing the model, or use "
                     f"offload() / reload() to move it")
             with torch.no_grad():
-                view.copy_(p.detach())
+                if not torch.equal(view, p.detach()):
+                    changed.append(i)
+                    view.copy_(p.detach())
             p.data = view
+        if changed:
+            self._adopt_param_values(changed)
+        self._reattach_grad_views()
+
+    def _adopt_param_values(self, changed: list[int]) -> None:
+        """New values written into params' slots: the fp32 master follows
+        them (a 16-bit param's own master, or the host part's copy of an fp32
+        one), as at attach. Unchanged params keep their master's precision."""
+        if self.has_master:
+            for i in changed:
+                self.state.write("master", i, self.param_shard_part(i).float())
+            self.pull_host_part(master=False)
+        else:
+            self.pull_host_part(master=True)
+
+    def _reattach_grad_views(self) -> None:
+        """module._apply also sets p.grad.data when a grad exists: the grad
+        view object itself (which p.grad is) then holds other memory. Its
+        values go back into the bucket and the object views the bucket again,
+        in place, so p.grad follows."""
+        if self.grad_views is None:
+            return
+        base, itemsize = self.flat_grad.data_ptr(), self.flat_grad.element_size()
+        for view, slot in zip(self.grad_views, self.layout.slots):
+            if view.data_ptr() == base + slot.offset * itemsize or slot.numel == 0:
+                continue
+            home = self.flat_grad[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            if view.dtype != home.dtype or view.device != home.device or \
+                    view.shape != home.shape:
+                raise RuntimeError(
+                    f"a grad of shape {tuple(home.shape)} was moved or cast to {view.dtype} on "
+                    f"{view.device} outside rlhfz; the optimizer keeps grads as {home.dtype} on "
+                    f"{home.device}: cast the model back, or build the optimizer after it")
+            with torch.no_grad():
+                home.copy_(view)
+            view.data = home
 
     # ---- the host part --------------------------------------------------------------------
 

@@ -150,6 +150,7 @@ class ShardEngine:
         if self.reducer is not None:
             self.reducer.zero()          # stage 2 holds no full grads: the shards start over
         for bucket in self.buckets:
+            bucket.reattach_moved()      # a cast since the last step: grads and params home first
             bucket.zero_grads(set_to_none)
 
     def _grad_versions(self) -> tuple[int, ...]:
