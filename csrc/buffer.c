@@ -54,11 +54,13 @@ rlhfz_Buffer *rlhfz_buffer_alloc_in(rlhfz_state *state, rlhfz_tier tier, int dev
         return NULL;
     }
     void *data = NULL;
-    if (rlhfz_tier_alloc(&tier, &device, padded, alignment, zero, &data) < 0) {
+    size_t mapped = 0;
+    if (rlhfz_tier_alloc(&tier, &device, padded, alignment, zero, &data, &mapped) < 0) {
         Py_DECREF(self);
         return NULL;
     }
     self->data = data;
+    self->mapped = mapped;
     self->nbytes = nbytes;
     self->alignment = alignment;
     self->tier = tier;
@@ -157,7 +159,7 @@ static void Buffer_dealloc(rlhfz_Buffer *self)
     else if (self->tier == RLHFZ_TIER_DISK)
         rlhfz_disk_free(self->data, self->mapped, self->fd, self->path);
     else
-        rlhfz_tier_free(self->tier, self->device, self->data);
+        rlhfz_tier_free(self->tier, self->device, self->data, self->mapped);
     self->path = NULL;
     self->data = NULL;
     type->tp_free(self);

@@ -1,6 +1,9 @@
 /* memory_tiers.c: where a Buffer's bytes come from, tier by tier.
  *
- * host: aligned malloc. pinned: cudaHostAlloc when a CUDA device is usable,
+ * host: anonymous mmap from 64 KiB up, so that freeing a buffer of any size
+ * gives its pages back to the OS (glibc keeps blocks under its mmap threshold,
+ * which grows to 32 MiB, on the heap); aligned malloc below that.
+ * pinned: cudaHostAlloc when a CUDA device is usable,
  * else host memory (callers see the tier they got). device: cudaMalloc, so
  * that freeing really returns the memory to the driver. The CUDA calls go
  * through kernels/rlhfz_cuda.h and exist only in a build with nvcc; without
@@ -11,6 +14,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <unistd.h>
+
+/* Host buffers this large or larger are mapped on their own. */
+#define HOST_MAP_LEAST ((size_t)64 << 10)
 
 #ifdef RLHFZ_WITH_CUDA
 #include "rlhfz_cuda.h"
@@ -171,10 +178,35 @@ static rlhfz_status zero_device_memory(void *data, size_t nbytes, int device)
 }
 #endif
 
+/* Host memory of nbytes: its own mapping (zeros already, unmapped on free)
+ * when large enough and the alignment is within a page, else the heap.
+ * *mapped: the bytes mapped, or 0 for the heap. */
+static int host_alloc(size_t nbytes, size_t alignment, int zero, void **data, size_t *mapped)
+{
+    const long page = sysconf(_SC_PAGESIZE);
+    *mapped = 0;
+    if (nbytes >= HOST_MAP_LEAST && page > 0 && alignment <= (size_t)page) {
+        void *p = mmap(NULL, nbytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED)
+            return -1;
+        *data = p;
+        *mapped = nbytes;
+        advise_huge_pages(p, nbytes);
+        return 0;
+    }
+    if (posix_memalign(data, alignment, nbytes) != 0)
+        return -1;
+    advise_huge_pages(*data, nbytes);
+    if (zero)
+        memset(*data, 0, nbytes);
+    return 0;
+}
+
 int rlhfz_tier_alloc(rlhfz_tier *tier, int *device, size_t nbytes, size_t alignment, int zero,
-                     void **data)
+                     void **data, size_t *mapped)
 {
     *data = NULL;
+    *mapped = 0;
     /* No C object may exceed PTRDIFF_MAX bytes: refuse before an allocator
      * sees a size that reads as negative. */
     if (nbytes > PTRDIFF_MAX) {
@@ -188,14 +220,11 @@ int rlhfz_tier_alloc(rlhfz_tier *tier, int *device, size_t nbytes, size_t alignm
     if (*tier == RLHFZ_TIER_HOST) {
         int rc;
         Py_BEGIN_ALLOW_THREADS
-        rc = posix_memalign(data, alignment, nbytes);
-        if (rc == 0)
-            advise_huge_pages(*data, nbytes);
-        if (rc == 0 && zero)
-            memset(*data, 0, nbytes);
+        rc = host_alloc(nbytes, alignment, zero, data, mapped);
         Py_END_ALLOW_THREADS
         if (rc != 0) {
             *data = NULL;
+            *mapped = 0;
             PyErr_Format(PyExc_MemoryError, "could not allocate %zu bytes of host memory", nbytes);
             return -1;
         }
@@ -256,13 +285,16 @@ int rlhfz_tier_alloc(rlhfz_tier *tier, int *device, size_t nbytes, size_t alignm
 #endif
 }
 
-void rlhfz_tier_free(rlhfz_tier tier, int device, void *data)
+void rlhfz_tier_free(rlhfz_tier tier, int device, void *data, size_t mapped)
 {
     if (data == NULL)
         return;
     switch (tier) {
     case RLHFZ_TIER_HOST:
-        free(data);
+        if (mapped > 0)
+            (void)munmap(data, mapped);
+        else
+            free(data);
         return;
 #ifdef RLHFZ_WITH_CUDA
     /* Both synchronize the device, which may wait on work that needs another

@@ -45,7 +45,8 @@ typedef struct {
     /* tier external: the imported managed tensor, released on dealloc */
     void *external;
     int external_versioned;
-    /* tier disk: the open file, its path (deleted on free), the bytes mapped */
+    /* tier disk: the open file, its path (deleted on free), the bytes mapped;
+     * tier host: the bytes mapped on their own (0: the heap) */
     int fd;
     char *path;
     size_t mapped;
@@ -105,9 +106,11 @@ DLDevice rlhfz_tier_dl_device(rlhfz_tier tier, int device);
  * build can use. -1 with an exception set if there is none. */
 int rlhfz_tier_export(rlhfz_tier tier, int device, void *data, size_t nbytes, DLDevice *dl,
                       void **address);
+/* *mapped: the bytes a host buffer maps on its own (munmap'd on free), else 0;
+ * rlhfz_tier_free takes it back. */
 int rlhfz_tier_alloc(rlhfz_tier *tier, int *device, size_t nbytes, size_t alignment, int zero,
-                     void **data);
-void rlhfz_tier_free(rlhfz_tier tier, int device, void *data);
+                     void **data, size_t *mapped);
+void rlhfz_tier_free(rlhfz_tier tier, int device, void *data, size_t mapped);
 /* device: the CUDA ordinal of device memory (the work runs with it current). */
 int rlhfz_tier_zero(rlhfz_tier tier, int device, void *data, size_t nbytes);
 /* device: -1 for a copy between host memories, else the CUDA device the
