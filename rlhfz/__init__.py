@@ -31,12 +31,21 @@ _LAZY = {
 
 def build_info() -> dict:
     """What this build of rlhfz has: version, CUDA and NCCL availability,
-    SIMD level in use, CPU threads, and the torch version if torch is loaded."""
+    SIMD level in use, CPU threads, and the torch version (the one loaded,
+    else the one installed; None when there is none)."""
     info = dict(_C.build_info())
     info.update(_nccl_info(info["cuda"]))
     torch = sys.modules.get("torch")
-    info["torch"] = getattr(torch, "__version__", None)
+    info["torch"] = getattr(torch, "__version__", None) or _installed_version("torch")
     return info
+
+
+def _installed_version(distribution: str):
+    from importlib import metadata
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def _nccl_info(cuda: bool) -> dict:

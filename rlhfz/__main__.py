@@ -50,20 +50,59 @@ def _cmd_bench(args) -> int:
 
 def _cmd_estimate(args) -> int:
     from rlhfz.estimate import estimate_bytes, format_estimate
-    result = estimate_bytes(args.params, world_size=args.world_size, stage=args.stage,
-                            param_dtype=args.dtype, offload=args.offload,
-                            offload_ratio=args.offload_ratio)
+    if args.offload_ratio is not None and args.offload is None:
+        return _usage_error("estimate", "--offload-ratio is the share of the optimizer state "
+                                        "on the host: it needs --offload cpu")
+    if args.world_size > 1 and args.stage == 0:
+        return _usage_error("estimate", f"stage 0 does not shard, so it has no use for "
+                                        f"{args.world_size} ranks: pick stage 1, 2 or 3")
+    try:
+        result = estimate_bytes(args.params, world_size=args.world_size, stage=args.stage,
+                                param_dtype=args.dtype, offload=args.offload,
+                                offload_ratio=1.0 if args.offload_ratio is None
+                                else args.offload_ratio)
+    except ValueError as error:
+        return _usage_error("estimate", str(error))
     print(format_estimate(result, args))
     return 0
 
 
+def _usage_error(command: str, message: str) -> int:
+    print(f"python -m rlhfz {command}: error: {message}", file=sys.stderr)
+    return 2
+
+
 def _parse_count(text: str) -> int:
-    """'7e9', '7B', '350M' or a plain integer."""
-    text = text.strip().upper()
-    scale = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}.get(text[-1:], 1)
+    """'7e9', '7B', '350M' or a plain integer, at least 1."""
+    cleaned = text.strip().upper()
+    scale = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}.get(cleaned[-1:], 1)
     if scale != 1:
-        text = text[:-1]
-    return int(float(text) * scale)
+        cleaned = cleaned[:-1]
+    try:
+        count = int(float(cleaned) * scale)
+    except (ValueError, OverflowError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a parameter count: write e.g. 7B, 350M, 125000 or 7e9") from None
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a model has at least one parameter")
+    return count
+
+
+def _checked(convert, what: str, ok, rule: str):
+    """An argparse type: convert(text), or a message naming what was wrong."""
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{text!r}: {rule}")
+        return value
+    return parse
+
+
+_positive_int = _checked(int, "a whole number", lambda v: v >= 1, "at least 1")
+_ratio = _checked(float, "a number", lambda v: 0.0 <= v <= 1.0, "a share between 0 and 1")
 
 
 def main(argv=None) -> int:
@@ -82,17 +121,19 @@ def main(argv=None) -> int:
 
     bench = sub.add_parser("bench", help="time one CPU AdamW step against torch's")
     bench.add_argument("--params", type=_parse_count, default=10_000_000)
-    bench.add_argument("--repeat", type=int, default=10)
+    bench.add_argument("--repeat", type=_positive_int, default=10)
     bench.set_defaults(func=_cmd_bench)
 
     estimate = sub.add_parser("estimate", help="expected per-rank bytes for a model")
     estimate.add_argument("--params", type=_parse_count, required=True,
                           help="parameter count, e.g. 7B or 350M")
-    estimate.add_argument("--world-size", type=int, default=1)
+    estimate.add_argument("--world-size", type=_positive_int, default=1)
     estimate.add_argument("--stage", type=int, default=2, choices=(0, 1, 2, 3))
     estimate.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
     estimate.add_argument("--offload", default=None, choices=("cpu",))
-    estimate.add_argument("--offload-ratio", type=float, default=1.0)
+    estimate.add_argument("--offload-ratio", type=_ratio, default=None,
+                          help="share of the optimizer state on the host (with --offload "
+                               "cpu; default 1.0)")
     estimate.set_defaults(func=_cmd_estimate)
 
     info = sub.add_parser("info", help="print build information as JSON")

@@ -49,7 +49,8 @@ def format_estimate(report: dict[str, dict[str, int]], args) -> str:
     gib = 1024 ** 3
     lines = [f"per-rank bytes for {args.params:,} {args.dtype} params, world size "
              f"{args.world_size}, stage {args.stage}, offload {args.offload or 'none'}"
-             + (f" (ratio {args.offload_ratio})" if args.offload else "")]
+             + (f" (ratio {1.0 if args.offload_ratio is None else args.offload_ratio})"
+                if args.offload else "")]
     totals = {"device": 0, "host": 0}
     for kind, tiers in report.items():
         lines.append(f"  {kind:<11} device {tiers['device'] / gib:9.3f} GiB   "
