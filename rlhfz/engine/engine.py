@@ -168,6 +168,11 @@ class ShardEngine:
         """The device that every param was moved to outside rlhfz
         (model.to(device) after the optimizer was built), or None: none
         moved, or not all alike (plan() then says what is wrong)."""
+        # model.to() moves every param: the first tells (a partial move is
+        # plan()'s to refuse), so a step pays one look, not one per param
+        first = next((b.params[0] for b in self.buckets if b.param_views and b.params), None)
+        if first is None or first.device == self.device:
+            return None
         pairs = [(p, view) for bucket in self.buckets if bucket.param_views is not None
                  for p, view in zip(bucket.params, bucket.param_views)]
         devices = {p.device for p, _ in pairs}
