@@ -99,3 +99,16 @@ def one_rank_damaged(rank, world_size, path, kind, stage, dtype):
     except rlhfz.CheckpointError as caught:
         error = str(caught)
     return {"error": error, "before": before, "after": whole(model, opt)}
+
+
+def model_alone_of_a_sharded_model(rank, world_size, path):
+    """At stage 3 the params live in the optimizer's shards: saving or loading
+    the model without it is refused, with what to pass."""
+    model, opt = build("mlp", 3)
+    messages = []
+    for call in (rlhfz.save_checkpoint, rlhfz.load_checkpoint):
+        try:
+            call(path, model)
+        except TypeError as error:
+            messages.append(str(error))
+    return messages

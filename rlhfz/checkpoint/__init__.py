@@ -19,6 +19,9 @@ executed. The parts:
   any byte is loaded; CheckpointError;
 - sharded.py: save_checkpoint and load_checkpoint, at any world size and
   stage;
+- model_only.py: the same two with no optimizer: a model alone, saved, or
+  loaded from a model-only or a full checkpoint;
+- generations.py: a save's new generation, committed atomically;
 - consolidated.py: save_consolidated, load_consolidated and
   full_model_state_dict, in torch's own formats.
 """

@@ -1,10 +1,9 @@
 """Sharded save and resume: one tensor file per rank, in the optimizer's
 own layout, and loads that copy byte ranges straight into its memory.
 
-Saving writes a new generation g-<token>/ beside the old one, makes it
-durable, then atomically replaces index.json; only then does the old
-generation go. A crash at any point leaves an index.json that names a
-complete generation. Every rank hears whether every rank succeeded.
+Saving writes a new generation (generations.py): a crash at any point
+leaves an index.json that names a complete one. Every rank hears whether
+every rank succeeded.
 
 Loading checks everything it will read before it writes anything (see
 validation.py). Then it copies byte ranges straight into the params and
@@ -27,10 +26,11 @@ from ..engine import shard_owner
 from ..progress import progress
 from ..state_dict import packed_groups
 from .consolidated import MODEL_FILE, load_consolidated
-from .format import CorruptFileError, TensorFileWriter, create_private, fsync_dir
-from .validation import (FORMAT, GENERATION, INDEX, MAX_INDEX_BYTES, CheckpointError, all_ok,
-                         check_entries, check_groups, check_match, file_name, index_text,
-                         open_files, read_index, verify)
+from .format import CorruptFileError, TensorFileWriter, fsync_dir
+from .generations import commit_generation, discard_generation
+from .model_only import load_model, save_model, whole_model
+from .validation import (FORMAT, INDEX, CheckpointError, all_ok, check_entries, check_groups,
+                         check_match, file_name, open_files, read_index, verify)
 
 _STATE = ("master", "exp_avg", "exp_avg_sq")
 
@@ -145,54 +145,18 @@ def _write_rank_file(directory: str, optimizer, extras) -> dict:
     return {"name": name, "bytes": writer.nbytes, "crc32": writer.crc32}
 
 
-def _commit(path: str, tmp: str, token: str, index: dict) -> None:
-    generation = f"g-{token}"
-    text = index_text(index)
-    with create_private(os.path.join(tmp, INDEX)) as f:   # a generation describes itself too
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    fsync_dir(tmp)
-    os.rename(tmp, os.path.join(path, generation))
-    staged = os.path.join(path, f".index-{token}.json")
-    with create_private(staged) as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(staged, os.path.join(path, INDEX))
-    fsync_dir(path)
-    # The new generation is current: older ones, and leftovers of saves
-    # that crashed, can go.
-    for entry in os.listdir(path):
-        doomed = os.path.join(path, entry)
-        if (GENERATION.fullmatch(entry) and entry != generation) or entry.startswith(".tmp-"):
-            shutil.rmtree(doomed, ignore_errors=True)
-        elif entry.startswith(".index-"):
-            os.unlink(doomed)
-
-
-def _discard(path: str, token: str) -> None:
-    """What a failed commit leaves, unless the index already names it."""
-    shutil.rmtree(os.path.join(path, f".tmp-{token}"), ignore_errors=True)
-    staged = os.path.join(path, f".index-{token}.json")
-    if os.path.exists(staged):
-        os.unlink(staged)
-    try:
-        with open(os.path.join(path, INDEX), "rb") as f:
-            current = json.loads(f.read(MAX_INDEX_BYTES)).get("generation")
-    except (OSError, ValueError, AttributeError):
-        current = None
-    if current != f"g-{token}":
-        shutil.rmtree(os.path.join(path, f"g-{token}"), ignore_errors=True)
-
-
-def save_checkpoint(path, model, optimizer, client_state: dict | None = None) -> None:
+def save_checkpoint(path, model, optimizer=None, client_state: dict | None = None) -> None:
     """Writes model and optimizer to the directory `path`, one file per rank
     (a collective: every rank calls it; the directory must be shared).
 
     The previous checkpoint at `path` stays loadable until the new one is
     complete and durable. client_state (JSON: numbers, strings, lists, dicts)
-    comes back from load_checkpoint, e.g. the step and the scheduler's state."""
+    comes back from load_checkpoint, e.g. the step and the scheduler's state.
+    With no optimizer it writes the model alone (model_only.py): the model
+    holds its params whole then, so one process writes it."""
+    if optimizer is None:
+        save_model(path, model, client_state)
+        return
     _check_optimizer(optimizer)
     optimizer.synchronize()          # copies a non-blocking move left in flight
     path = os.fspath(path)
@@ -237,9 +201,9 @@ def save_checkpoint(path, model, optimizer, client_state: dict | None = None) ->
         try:
             index["generation"] = f"g-{token}"
             index["files"] = infos
-            _commit(path, tmp, token, index)
+            commit_generation(path, tmp, token, index)
         except Exception as caught:
-            _discard(path, token)
+            discard_generation(path, token)
             error = caught
     all_ok(optimizer, error, "save_checkpoint", "commit the checkpoint")
 
@@ -329,20 +293,23 @@ class _Plan:
 def load_checkpoint(path, model, optimizer=None):
     """Loads a checkpoint into the existing model and optimizer, in place, and
     returns its client_state (a collective when the optimizer spans ranks).
+    With no optimizer only the model is loaded, from a model-only or a full
+    checkpoint (model_only.py).
 
     `path` is a directory from save_checkpoint (any world size, any stage),
     or one from save_consolidated (model.pt, optimizer.pt). On any error
     (missing, truncated or modified files, another model's checkpoint) it
     raises CheckpointError on every rank and nothing has changed."""
     path = os.fspath(path)
+    if optimizer is None:
+        whole_model(model, "load_checkpoint")
     if not os.path.exists(os.path.join(path, INDEX)):
         if os.path.exists(os.path.join(path, MODEL_FILE)):
             load_consolidated(path, model, optimizer)
             return None
         raise CheckpointError(f"{path}: no checkpoint here (neither {INDEX} nor {MODEL_FILE})")
     if optimizer is None:
-        raise TypeError(f"{path} is a sharded checkpoint, laid out by the optimizer's buckets: "
-                        f"pass the ZeroAdamW too (load_checkpoint(path, model, optimizer))")
+        return load_model(path, model)
     _check_optimizer(optimizer)
     optimizer.synchronize()
     refuse_while_gathered(optimizer, "load")
@@ -354,6 +321,9 @@ def load_checkpoint(path, model, optimizer=None):
     error, files, plan, index = None, {}, None, None
     try:
         index = read_index(path)
+        if index.get("model_only"):
+            raise CheckpointError(f"{path} holds a model alone, no optimizer state: load it "
+                                  f"with load_checkpoint(path, model)")
         check_match(path, index, _describe(model, optimizer))
         check_groups(path, index, optimizer)
         plan = _Plan(index, optimizer)
