@@ -72,7 +72,13 @@ def main():
     result = trainer.train()
     if trainer.args.process_index == 0:
         print(f"grpo_tiny: {result.global_step} steps on {world} rank(s), stage {opt.stage}, "
-              f"loss {result.training_loss:.4g}, {result.metrics['train_runtime']:.1f} s")
+              f"loss {result.training_loss:.4g}, {result.metrics['train_runtime']:.1f} s",
+              flush=True)
+    # The process groups go before the interpreter does: torch's gloo threads
+    # torn down during finalization can abort the process after a good run.
+    opt.close()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
