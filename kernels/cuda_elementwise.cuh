@@ -182,39 +182,47 @@ static inline unsigned int rlhfz_grid_for(size_t items, unsigned int cap)
     return blocks < cap ? (unsigned int)blocks : cap;
 }
 
-/* Blocks for an elementwise kernel over n elements (vector steps, plus the
- * tail's few elements, which the first threads of the grid take), in whole
- * waves: a wave is the blocks of this kernel the device runs at once, its
- * multiprocessors times the blocks that fit on one. Less than a wave of
- * work gets one block per unit of it; more gets as many whole waves as the
- * work fills, at most RLHFZ_MAX_BLOCKS' worth, and the grid-stride loop
- * spreads the rest evenly: no last wave left mostly idle. Both figures are
- * asked of the runtime once per kernel and device. */
 #define RLHFZ_MAX_DEVICES 64
 
+/* The blocks of `block` threads of this kernel the current device runs at
+ * once (its multiprocessors times the blocks that fit on one), asked of the
+ * runtime once per kernel and device; 0 when the runtime cannot say. Each
+ * kernel is launched with one block size, which the cache assumes. */
 template <typename Kernel>
-static inline unsigned int rlhfz_elementwise_grid(Kernel kernel, size_t n, bool vector)
+static inline size_t rlhfz_wave(Kernel kernel, int block)
 {
-    static int multiprocessors[RLHFZ_MAX_DEVICES];
-    static int per_multiprocessor[RLHFZ_MAX_DEVICES];
-    const size_t items = vector ? n / RLHFZ_VEC : n;
+    static int wave[RLHFZ_MAX_DEVICES];
     int device = 0;
     if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= RLHFZ_MAX_DEVICES) {
         (void)cudaGetLastError();
-        return rlhfz_grid_for(items, RLHFZ_MAX_BLOCKS);
+        return 0;
     }
-    if (multiprocessors[device] <= 0 || per_multiprocessor[device] <= 0) {
+    if (wave[device] <= 0) {
         int sms = 0, blocks = 0;
         if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, RLHFZ_BLOCK, 0) !=
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, block, 0) !=
                 cudaSuccess || sms <= 0 || blocks <= 0) {
             (void)cudaGetLastError();
-            return rlhfz_grid_for(items, RLHFZ_MAX_BLOCKS);
+            return 0;
         }
-        multiprocessors[device] = sms;        /* racing writers store the same values */
-        per_multiprocessor[device] = blocks;
+        wave[device] = sms * blocks;        /* racing writers store the same value */
     }
-    const size_t wave = (size_t)multiprocessors[device] * (size_t)per_multiprocessor[device];
+    return (size_t)wave[device];
+}
+
+/* Blocks for an elementwise kernel over n elements (vector steps, plus the
+ * tail's few elements, which the first threads of the grid take), in whole
+ * waves. Less than a wave of work gets one block per unit of it; more gets
+ * as many whole waves as the work fills, at most RLHFZ_MAX_BLOCKS' worth,
+ * and the grid-stride loop spreads the rest evenly: no last wave left
+ * mostly idle. */
+template <typename Kernel>
+static inline unsigned int rlhfz_elementwise_grid(Kernel kernel, size_t n, bool vector)
+{
+    const size_t items = vector ? n / RLHFZ_VEC : n;
+    const size_t wave = rlhfz_wave(kernel, RLHFZ_BLOCK);
+    if (wave == 0)
+        return rlhfz_grid_for(items, RLHFZ_MAX_BLOCKS);
     const size_t needed = rlhfz_grid_for(items, 0xFFFFFFFFu);
     if (needed <= wave)
         return (unsigned int)needed;
@@ -224,32 +232,17 @@ static inline unsigned int rlhfz_elementwise_grid(Kernel kernel, size_t n, bool 
 }
 
 /* Blocks of `block` threads for `items` units of work (one per thread per
- * pass): one per `block` units, at most one wave (the multiprocessors times
- * the blocks of this kernel that fit on one, asked of the runtime once per
- * kernel and device); the grid-stride loop takes the rest. */
+ * pass): one per `block` units, at most one wave (RLHFZ_MAX_BLOCKS when the
+ * runtime cannot say); the grid-stride loop takes the rest. */
 template <typename Kernel>
 static inline unsigned int rlhfz_one_wave_grid(Kernel kernel, int block, size_t items)
 {
-    static int wave[RLHFZ_MAX_DEVICES];
     size_t needed = (items + (size_t)block - 1) / (size_t)block;
     if (needed < 1)
         needed = 1;
-    int device = 0;
-    if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= RLHFZ_MAX_DEVICES) {
-        (void)cudaGetLastError();
-        return needed < RLHFZ_MAX_BLOCKS ? (unsigned int)needed : RLHFZ_MAX_BLOCKS;
-    }
-    if (wave[device] <= 0) {
-        int sms = 0, blocks = 0;
-        if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, block, 0) !=
-                cudaSuccess || sms <= 0 || blocks <= 0) {
-            (void)cudaGetLastError();
-            return needed < RLHFZ_MAX_BLOCKS ? (unsigned int)needed : RLHFZ_MAX_BLOCKS;
-        }
-        wave[device] = sms * blocks;        /* racing writers store the same value */
-    }
-    return needed < (size_t)wave[device] ? (unsigned int)needed : (unsigned int)wave[device];
+    const size_t wave = rlhfz_wave(kernel, block);
+    const size_t most = wave > 0 ? wave : RLHFZ_MAX_BLOCKS;
+    return (unsigned int)(needed < most ? needed : most);
 }
 
 /* Calls launch(tag) with decltype(tag)::value the compile-time twin of
