@@ -16,8 +16,6 @@ own cost per call (launch, stream hand-off, borrow bookkeeping), not a
 link. Run: make gpu-check (phase bench-nccl), or
 python -m pytest benchmarks/test_bench_nccl_cuda.py
 """
-import statistics
-import time
 
 import pytest
 import torch
@@ -25,7 +23,7 @@ import torch.distributed as dist
 
 import rlhfz
 import rlhfz.optim
-from nccl_world import one_rank_nccl
+from gpu_timing import median_seconds, one_rank_nccl
 from rlhfz import comm as rlhfz_comm
 
 
@@ -57,19 +55,6 @@ def _engine(kind):
     return native
 
 
-def _median_s(fn, rounds=ROUNDS):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 @pytest.mark.parametrize("nbytes", [256 << 20, 1 << 20], ids=["256MiB", "1MiB"])
 @pytest.mark.parametrize("kind", ["torch", "native"])
 def test_collectives(benchmark, nccl_world, kind, nbytes):
@@ -78,10 +63,10 @@ def test_collectives(benchmark, nccl_world, kind, nbytes):
     try:
         full = torch.randn(nbytes // 4, device="cuda")
         shard = torch.empty_like(full)
-        rs = _median_s(lambda: engine.reduce_scatter(shard, full))
+        rs = median_seconds(lambda: engine.reduce_scatter(shard, full), ROUNDS, warmup=3)
         assert torch.equal(shard, full)
         gathered = torch.empty_like(full)
-        ag = _median_s(lambda: engine.all_gather(gathered, shard))
+        ag = median_seconds(lambda: engine.all_gather(gathered, shard), ROUNDS, warmup=3)
         assert torch.equal(gathered, full)
         benchmark.pedantic(lambda: engine.all_gather(gathered, shard) and None, rounds=1)
         benchmark.extra_info.update(
@@ -121,7 +106,7 @@ def test_stage2_iteration(benchmark, nccl_world, monkeypatch, kind):
         model(x).square().mean().backward()
         opt.step()
 
-    seconds = _median_s(iteration, rounds=10)
+    seconds = median_seconds(iteration, 10, warmup=3)
     benchmark.pedantic(iteration, rounds=1)
     torch.cuda.synchronize()
     _params_after[kind] = [p.detach().clone() for p in model.parameters()]

@@ -16,15 +16,14 @@ GPU ones and the step (-k 'not disk'), then runs the whole file once as a test
 import gc
 import os
 import shutil
-import statistics
 import tempfile
-import time
 
 import numpy as np
 import pytest
 import torch
 
 import rlhfz
+from gpu_timing import median_seconds
 
 NUMEL = 64 << 20
 ROUNDS = 5
@@ -239,27 +238,15 @@ def test_offload_reload_sweep(benchmark, gib):
     opt.step()
     nbytes = _state_bytes(opt)
 
-    def median_s(fn, setup=None, rounds=3):
-        times = []
-        for _ in range(rounds + 1):
-            if setup:
-                setup()
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times[1:])
-
-    offload_s = median_s(opt.offload, setup=opt.reload)
-    reload_s = median_s(opt.reload, setup=opt.offload)
+    offload_s = median_seconds(opt.offload, 3, setup=opt.reload)
+    reload_s = median_seconds(opt.reload, 3, setup=opt.offload)
     del opt, param
     gc.collect()
     torch.cuda.empty_cache()
     device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    raw_to_host_s = median_s(lambda: pinned.copy_(device, non_blocking=True))
-    raw_to_device_s = median_s(lambda: device.copy_(pinned, non_blocking=True))
+    raw_to_host_s = median_seconds(lambda: pinned.copy_(device, non_blocking=True), 3)
+    raw_to_device_s = median_seconds(lambda: device.copy_(pinned, non_blocking=True), 3)
 
     def round_trip():
         pinned.copy_(device, non_blocking=True)

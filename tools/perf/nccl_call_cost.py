@@ -9,9 +9,7 @@ with and without the stream hand-off). Run on a GPU machine:
     PYTHONPATH=. python3 tools/perf/nccl_call_cost.py
 """
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -22,23 +20,13 @@ from rlhfz.engine import backend_for
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
                                 "benchmarks"))
-from nccl_world import one_rank_nccl  # noqa: E402
+from gpu_timing import median_seconds, one_rank_nccl  # noqa: E402
 
 ROUNDS = 200
 
 
 def median_us(fn, sync=True):
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(ROUNDS):
-        start = time.perf_counter()
-        fn()
-        if sync:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+    return median_seconds(fn, ROUNDS, warmup=10, sync=sync) * 1e6
 
 
 def main():

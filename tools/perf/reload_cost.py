@@ -10,29 +10,24 @@ emptied first), which pays the mapping as reload does. Run on a GPU machine:
     PYTHONPATH=. python3 tools/perf/reload_cost.py
 """
 import gc
-import statistics
-import time
+import os
+import sys
 
 import torch
 
 import rlhfz
 from rlhfz.engine import backend_for
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                                "benchmarks"))
+from gpu_timing import median_seconds  # noqa: E402
+
 ROUNDS = 5
 GIB = 4
 
 
 def median_ms(fn, setup=None):
-    times = []
-    for _ in range(ROUNDS + 1):
-        if setup:
-            setup()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:]) * 1e3
+    return median_seconds(fn, ROUNDS, setup=setup) * 1e3
 
 
 def main():
