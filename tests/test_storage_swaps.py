@@ -163,3 +163,24 @@ def test_new_values_written_into_16_bit_params_become_the_master():
     opt.zero_grad()
     for p in model.parameters():
         assert torch.equal(opt.state[p]["master_param"], torch.full(p.shape, 0.5))
+
+
+def test_a_refused_swap_takes_nothing_back():
+    """One param given new values, another cast to fp16, in one bucket: the
+    step refuses the cast before it adopts anything, so the bucket still
+    holds what it held."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = rlhfz.ZeroAdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    (bucket,) = opt.engine.buckets
+    held = [view.clone() for view in bucket.param_views]
+    with torch.no_grad():
+        model.weight.data = torch.zeros_like(model.weight)
+        model.bias.data = model.bias.data.half()
+    with pytest.raises(RuntimeError, match="cast to torch.float16"):
+        opt.step()
+    for view, before in zip(bucket.param_views, held):
+        assert torch.equal(view, before)
+    assert model.weight.data_ptr() != bucket.param_views[0].data_ptr()

@@ -200,10 +200,12 @@ class Bucket:
         another dtype or device cannot: that raises."""
         if self.param_views is None:
             return
-        changed = []
-        for i, (p, view) in enumerate(zip(self.params, self.param_views)):
-            if p.data_ptr() == view.data_ptr() or p.numel() == 0 and view.numel() == 0:
-                continue
+        moved = [i for i, (p, view) in enumerate(zip(self.params, self.param_views))
+                 if p.data_ptr() != view.data_ptr() and (p.numel() or view.numel())]
+        # every moved param is checked before any is taken back: a refusal
+        # leaves params, masters and grads as they were
+        for i in moved:
+            p, view = self.params[i], self.param_views[i]
             if p.dtype != view.dtype or p.device != view.device or p.shape != view.shape:
                 raise RuntimeError(
                     f"a param of shape {tuple(view.shape)} was moved or cast to {p.dtype} on "
@@ -211,6 +213,9 @@ class Bucket:
                     f"optimizer was built); its memory is the optimizer's {view.dtype} on "
                     f"{view.device}: build the optimizer after placing the model, or use "
                     f"offload() / reload() to move it")
+        changed = []
+        for i in moved:
+            p, view = self.params[i], self.param_views[i]
             with torch.no_grad():
                 if not torch.equal(view, p.detach()):
                     changed.append(i)
