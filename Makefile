@@ -9,10 +9,11 @@ TORCH_PIN ?= torch==2.13.0
 # nvidia-nccl-cu13: the NCCL library the native communicator loads (its tests run without a GPU)
 # transformers, trl: stage 3 is tested on GPT-2 and Llama models built from configs, and the
 # TRL twin against TRL's own signature; requests: TRL's trainers import it (GRPO/RLOO tests)
+# peft: LoRA at stage 3 (a sharded frozen base under trainable adapters) is tested on PEFT's models
 # build: the sdist that make wheel-check builds the wheel from
 # pytest-timeout: make gpu-check's limit per test
 DEPS := $(TORCH_PIN) numpy pytest pytest-benchmark pytest-timeout hypothesis "setuptools>=64" \
-	wheel build nvidia-nccl-cu13 transformers trl==1.13.0 requests
+	wheel build nvidia-nccl-cu13 transformers trl==1.13.0 requests peft
 
 .PHONY: deps install demo test wheel-check sim-deps test-sim test-chaos bench gpu-check gpu-sanitize \
 	compare structure clean

@@ -26,6 +26,10 @@ _LAZY = {
     "load_consolidated": ("rlhfz.checkpoint", "load_consolidated"),
     "CheckpointError": ("rlhfz.checkpoint", "CheckpointError"),
     "CollectiveError": ("rlhfz.comm", "CollectiveError"),
+    "shard_model": ("rlhfz.sharding", "shard_model"),
+    "full_state_dict": ("rlhfz.model_state", "full_state_dict"),
+    "save_pretrained": ("rlhfz.pretrained", "save_pretrained"),
+    "load_pretrained": ("rlhfz.pretrained", "load_pretrained"),
 }
 
 
@@ -88,4 +92,5 @@ def __dir__():
 __all__ = ["ZeroAdamW", "NonFiniteGradError", "offload", "reload", "offloaded", "release_pinned",
            "gather_for_generation", "iter_full_params", "save_checkpoint", "load_checkpoint",
            "save_consolidated", "load_consolidated", "CheckpointError", "CollectiveError",
-           "build_info", "set_num_threads", "get_num_threads", "__version__"]
+           "shard_model", "full_state_dict", "save_pretrained", "load_pretrained", "build_info",
+           "set_num_threads", "get_num_threads", "__version__"]

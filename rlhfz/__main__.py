@@ -1,4 +1,4 @@
-"""python -m rlhfz demo | bench | estimate | info"""
+"""python -m rlhfz demo | bench | estimate | info | consolidate"""
 from __future__ import annotations
 
 import argparse
@@ -64,6 +64,19 @@ def _cmd_estimate(args) -> int:
     except ValueError as error:
         return _usage_error("estimate", str(error))
     print(format_estimate(result, args))
+    return 0
+
+
+def _cmd_consolidate(args) -> int:
+    from rlhfz.checkpoint import CheckpointError
+    from rlhfz.checkpoint.export import consolidate
+    try:
+        done = consolidate(args.checkpoint, args.out, dtype=args.dtype)
+    except (CheckpointError, OSError) as error:
+        print(f"python -m rlhfz consolidate: error: {error}", file=sys.stderr)
+        return 1
+    print(f"{args.out}: {done['tensors']} tensors, {done['bytes']:,} bytes "
+          f"(largest tensor {done['largest']:,} bytes)")
     return 0
 
 
@@ -135,6 +148,15 @@ def main(argv=None) -> int:
                           help="share of the optimizer state on the host (with --offload "
                                "cpu; default 1.0)")
     estimate.set_defaults(func=_cmd_estimate)
+
+    consolidate = sub.add_parser(
+        "consolidate", help="an rlhfz checkpoint (any world size) to a Hugging Face "
+                            "safetensors model, one tensor in memory at a time")
+    consolidate.add_argument("checkpoint", help="a directory written by rlhfz.save_checkpoint")
+    consolidate.add_argument("out", help="the directory for model.safetensors and config.json")
+    consolidate.add_argument("--dtype", default=None, choices=("fp32", "bf16"),
+                             help="cast floating tensors (default: as saved)")
+    consolidate.set_defaults(func=_cmd_consolidate)
 
     info = sub.add_parser("info", help="print build information as JSON")
     info.set_defaults(func=_cmd_info)

@@ -23,6 +23,7 @@ import torch
 
 from . import _C
 from .engine import REGIONS, PinnedPool, backend_for, host_buffer, torch_view
+from .sharding import sharding_of_model
 
 KINDS = ("params", "grads", "optimizer")
 
@@ -191,6 +192,9 @@ def _module_tensors(model, optimizer):
     owned = set()
     if optimizer is not None:
         owned = set(optimizer.engine.owners())
+    record = sharding_of_model(model)
+    if record is not None:
+        owned |= set(record.engine.owners())     # frozen shards move with their buckets
     seen = set()
     for tensor in list(model.parameters()) + list(model.buffers()):
         if id(tensor) in owned or id(tensor) in seen:
@@ -263,13 +267,21 @@ def offload(model, optimizer=None, what=KINDS, to="cpu", path=None, non_blocking
     if optimizer is not None:
         optimizer.offload(what=kinds, to=to, path=path, non_blocking=non_blocking)
     if "params" in kinds:
-        offload_module(model, optimizer, to=to, path=path,
-                       pin_memory=getattr(optimizer, "pin_memory", "auto"))
+        pin_memory = getattr(optimizer, "pin_memory", "auto")
+        record = sharding_of_model(model)
+        if record is not None and record.engine.buckets:
+            from .generation import refuse_while_gathered
+            refuse_while_gathered(record, "offload")
+            offload_engine(record.engine, ("params",), to, path, pin_memory=pin_memory)
+        offload_module(model, optimizer, to=to, path=path, pin_memory=pin_memory)
 
 
 def reload(model, optimizer=None, non_blocking=False) -> None:
     if optimizer is not None:
         optimizer.reload(non_blocking=non_blocking)
+    record = sharding_of_model(model)
+    if record is not None and record.engine.offloaded:
+        reload_engine(record.engine, pin_memory=getattr(optimizer, "pin_memory", "auto"))
     reload_module(model)
 
 

@@ -21,12 +21,23 @@ from .engine import ShardEngine, backend_for, host_buffer
 from .optim_options import (check_engine_options, check_group, check_hparams, check_params,
                             check_unsupported, common_device, group_hparams)
 from .reducer import GradReducer
+from .sharding import check_sharded_model, shard_with, sharding_of, sharding_of_model
 from .state_dict import SHARDED_FORMAT, consolidate_sharded  # noqa: F401  (public here)
 
 _TIERS = ("device", "pinned", "host", "disk")
 _KINDS = ("params", "grads", "master", "exp_avg", "exp_avg_sq")
 
 _LIVE = weakref.WeakSet()
+
+
+def _tensors_of(params: list) -> list:
+    """The tensors among params or param-group dicts (named ones too)."""
+    out = []
+    for item in params:
+        group = item.get("params", []) if isinstance(item, dict) else [item]
+        group = [group] if isinstance(group, torch.Tensor) else group
+        out.extend(t[1] if isinstance(t, tuple) else t for t in group)
+    return [t for t in out if isinstance(t, torch.Tensor)]
 
 
 def live_optimizers() -> list:
@@ -103,16 +114,26 @@ class ZeroAdamW(Optimizer):
                     f"with stage={stage} rlhfz reduces them too, so they would be reduced twice. "
                     "Pass the unwrapped module.")
             params = [p for p in module.parameters() if p.requires_grad]
-        elif stage == 3:
-            raise ValueError("stage=3 shards parameters per module unit, so it needs the "
-                             "nn.Module itself: pass ZeroAdamW(model, stage=3)")
         params = params if isinstance(params, list) else list(params)
         self.device = common_device(params)
+        record = sharding_of(_tensors_of(params)) if module is None else \
+            sharding_of_model(module)
+        if record is not None:
+            check_sharded_model(record, stage, process_group, wrap, param_persistence_threshold,
+                                collectives)
+            module, wrap = record.model, record.wrap
+            param_persistence_threshold = record.threshold
+            self.device = record.backend.device
+        elif module is None and stage == 3:
+            raise ValueError("stage=3 shards parameters per module unit, so it needs the "
+                             "nn.Module itself: pass ZeroAdamW(model, stage=3), or the params "
+                             "(or param groups) of a model sharded with rlhfz.shard_model")
         self.backend = backend_for(self.device)
         if collectives == "nccl" and self.backend.tier != "device":
             raise ValueError(f"collectives='nccl' needs params on a CUDA device, not "
                              f"{self.device}")
-        self.comm = communicator_for(process_group, collectives, self.backend)
+        self.comm = (record.comm if record is not None else
+                     communicator_for(process_group, collectives, self.backend))
         self.rank = self.comm.rank if self.comm else 0
         self.world_size = self.comm.world_size if self.comm else 1
         if self.world_size > 1 and stage == 0:
@@ -137,14 +158,20 @@ class ZeroAdamW(Optimizer):
         self._make_engine()
         if stage >= 2 and self.world_size > 1:
             self.engine.use_reducer(GradReducer(self.engine.buckets, self.comm, self.backend))
-        # Stage 3 across ranks: params sharded too, gathered per unit (stage3.py).
+        # Stage 3 across ranks: params sharded too, gathered per unit
+        # (stage3.py); the model's frozen params are sharded beside them
+        # (sharding.py), and a model sharded before brings its own.
         self.stage3 = None
+        self.sharding = None
         if stage == 3 and self.world_size > 1:
-            from .stage3 import Stage3
-            self.stage3 = Stage3(self.comm, [], root=module)
+            if record is None:
+                shard_with(module, self.comm, self.backend, wrap, param_persistence_threshold,
+                           [p for p in module.parameters() if not p.requires_grad])
+                record = sharding_of_model(module)
+            self.sharding = record
+            self.stage3 = record.stage3
             self.engine.reducer.on_staged = self.stage3.on_staged
             self.engine.reducer.after_flush = self.stage3.release_all
-            setattr(module, "_rlhfz_stage3", self.stage3)     # for gather_for_generation
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
                         maximize=maximize, foreach=foreach, capturable=False,
                         differentiable=False, fused=fused, decoupled_weight_decay=True)
@@ -260,11 +287,20 @@ class ZeroAdamW(Optimizer):
         tensors = [p[1] if isinstance(p, tuple) else p for p in params]
         check_params(tensors, self.device, self.param_groups)
         check_group({**self.defaults, **{k: v for k, v in group.items() if k != "params"}})
+        if self.sharding is not None:
+            self.sharding.check_trainable(tensors)
+            self.sharding.take(tensors)       # whole again, out of the frozen buckets
         if self.comm is not None:
             self.comm.start_from_first_rank(tensors, "ZeroAdamW.add_param_group")
         # Build the buckets before the group is registered: if allocation
-        # fails, neither the optimizer nor the model has changed.
-        made = self.engine.make_buckets(len(self.param_groups), self._parts(tensors))
+        # fails, neither the optimizer nor the model has changed (params
+        # taken from the frozen buckets go back to them).
+        try:
+            made = self.engine.make_buckets(len(self.param_groups), self._parts(tensors))
+        except BaseException:
+            if self.sharding is not None:
+                self.sharding.give_back(tensors)
+            raise
         group["params"] = params
         super().add_param_group(group)
         param_group.clear()

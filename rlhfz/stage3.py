@@ -124,17 +124,27 @@ class Stage3:
         self._whole: set[int] = set()         # units with gathered params (or in flight)
         self._gathered = 0                    # their bytes
         self._unit_of: dict[int, int] = {}    # id(bucket) -> unit index
+        self._index_of: dict[int, int] = {}   # id(module) -> unit index
+        self._sites: list[set[int]] = []      # per unit: id of every module hooked for it
         ref = weakref.ref(self)
         if root is not None:
-            self.handles.append(root.register_forward_pre_hook(_forward_starts(ref)))
-            self.handles.append(root.register_forward_hook(_forward_ends(ref)))
+            self.handles.append(root.register_forward_pre_hook(_eager(_forward_starts(ref))))
+            self.handles.append(root.register_forward_hook(_eager(_forward_ends(ref))))
         self.add_units(units)
 
     def add_units(self, units) -> None:
+        """Units' buckets, by module: buckets of a module that is a unit
+        already (another param group's, or its frozen params') join it, so
+        the module still gathers once, all its buckets in flight together."""
         ref = weakref.ref(self)
         for module, buckets in units:
-            index = len(self.units)
-            self.units.append((module, buckets))
+            index = self._index_of.get(id(module))
+            if index is None:
+                index = len(self.units)
+                self.units.append((module, []))
+                self._index_of[id(module)] = index
+                self._sites.append(set())
+            self.units[index][1].extend(buckets)
             for bucket in buckets:
                 self._unit_of[id(bucket)] = index
             sites = [module]
@@ -143,8 +153,32 @@ class Stage3:
                 sites = [m for m in module.modules()
                          if any(id(p) in mine for p in m.parameters(recurse=False))]
             for site in sites:
-                self.handles.append(site.register_forward_pre_hook(_pre_forward(ref, index)))
-                self.handles.append(site.register_forward_hook(_post_forward(ref, index)))
+                if id(site) in self._sites[index]:
+                    continue
+                self._sites[index].add(id(site))
+                self.handles += [
+                    site.register_forward_pre_hook(_eager(_pre_forward(ref, index))),
+                    site.register_forward_hook(_eager(_post_forward(ref, index))),
+                    site.register_forward_pre_hook(_eager(_release_after_backward(ref, index)),
+                                                   with_kwargs=True)]
+
+    def replace_bucket(self, old, new) -> None:
+        """A unit's bucket rebuilt (an optimizer took some of its params):
+        `new` takes its place, or with None it just goes."""
+        index = self._unit_of.pop(id(old))
+        buckets = self.units[index][1]
+        at = next(i for i, b in enumerate(buckets) if b is old)
+        if new is None:
+            del buckets[at]
+        else:
+            buckets[at] = new
+            self._unit_of[id(new)] = index
+
+    def all_trained(self, index: int) -> bool:
+        """Whether every param of the unit gets a grad: the last grad staged
+        then says backward is done with the unit. A frozen param's last use
+        no grad marks, so such units wait for their inputs' grads."""
+        return all(b.trainable for b in self.units[index][1])
 
     # ---- gathering --------------------------------------------------------------------
 
@@ -250,8 +284,16 @@ class Stage3:
         """The reducer has staged every grad of a bucket: when all of its
         unit's buckets are (all_staged(bucket) says), the unit's params may go."""
         index = self._unit_of.get(id(bucket))
-        if index is not None and all(all_staged(b) for b in self.units[index][1]):
+        if index is not None and self.all_trained(index) and \
+                all(all_staged(b) for b in self.units[index][1]):
             self.release(index)
+
+
+def _eager(hook):
+    """Under torch.compile the hooks run eagerly, between graphs (a graph
+    break at each unit's edges): they swap param.data, which a graph cannot
+    hold."""
+    return torch.compiler.disable(hook, recursive=True)
 
 
 def _forward_starts(ref):
@@ -301,11 +343,70 @@ def _backward_gather(ref, index):
     if self is None:
         return
     self.gather(index)
+    if not self.all_trained(index):
+        # no staged grad will say when it is done: at the latest, when
+        # backward ends (its inputs' grads usually say so sooner)
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: _release(ref, index))
     # backward runs units in reverse: gather the one before this ahead
     if index in self.order:
         at = self.order.index(index)
         if at > 0:
             self.prefetch(self.order[at - 1])
+
+
+def _release(ref, index):
+    self = ref()
+    if self is not None:
+        self.release(index)
+
+
+class _ReleaseAfterBackward(torch.autograd.Function):
+    """Passes a unit's inputs through; its backward runs once the unit's
+    backward has made their grads, when the unit's params may go."""
+
+    @staticmethod
+    def forward(ctx, release, *tensors):
+        ctx.release = release
+        return tensors if len(tensors) != 1 else tensors[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.release()
+        return (None,) + grads
+
+
+def _release_after_backward(ref, index):
+    """A unit with frozen params (a frozen model, a LoRA base) gathers again
+    in backward, for its inputs' grads, and staged grads cannot say when it
+    is done: its inputs' grads do, once they have all come."""
+    def hook(module, args, kwargs):
+        self = ref()
+        if self is None or self.suspended or not torch.is_grad_enabled() or \
+                self.all_trained(index):
+            return None
+        places = [("a", i) for i, a in enumerate(args)
+                  if isinstance(a, torch.Tensor) and a.requires_grad]
+        places += [("k", k) for k, v in kwargs.items()
+                   if isinstance(v, torch.Tensor) and v.requires_grad]
+        if not places:
+            return None
+        fired = []
+
+        def release():
+            if not fired:
+                fired.append(True)
+                _release(ref, index)
+        values = [args[at] if kind == "a" else kwargs[at] for kind, at in places]
+        passed = _ReleaseAfterBackward.apply(release, *values)
+        passed = passed if isinstance(passed, tuple) else (passed,)
+        args, kwargs = list(args), dict(kwargs)
+        for (kind, at), value in zip(places, passed):
+            if kind == "a":
+                args[at] = value
+            else:
+                kwargs[at] = value
+        return tuple(args), kwargs
+    return hook
 
 
 def _on_backward(output, fn) -> None:

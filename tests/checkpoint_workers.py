@@ -102,13 +102,22 @@ def one_rank_damaged(rank, world_size, path, kind, stage, dtype):
 
 
 def model_alone_of_a_sharded_model(rank, world_size, path):
-    """At stage 3 the params live in the optimizer's shards: saving or loading
-    the model without it is refused, with what to pass."""
+    """At stage 3 the params live in the optimizer's shards: the model alone
+    is saved from units gathered one at a time (a collective), and loads
+    into another stage-3 model, whose optimizer's master weights follow."""
     model, opt = build("mlp", 3)
-    messages = []
-    for call in (rlhfz.save_checkpoint, rlhfz.load_checkpoint):
-        try:
-            call(path, model)
-        except TypeError as error:
-            messages.append(str(error))
-    return messages
+    train(model, opt, "mlp", rank, world_size, 0, 3)
+    rlhfz.save_checkpoint(path, model)
+    saved = rlhfz.full_state_dict(model, rank0_only=False)
+    other, other_opt = build("mlp", 3)
+    rlhfz.load_checkpoint(path, other)
+    loaded = rlhfz.full_state_dict(other, rank0_only=False)
+    train(model, opt, "mlp", rank, world_size, 3, 5)
+    train(other, other_opt, "mlp", rank, world_size, 3, 5)
+    after = rlhfz.full_state_dict(model, rank0_only=False)
+    other_after = rlhfz.full_state_dict(other, rank0_only=False)
+    return {"loaded": all(torch.equal(saved[k], loaded[k]) for k in saved),
+            "keys": sorted(saved),
+            # fresh moments on the other side: the two runs part, but both train
+            "trained": all(not torch.equal(other_after[k], loaded[k]) for k in loaded
+                           if "weight" in k) and len(after) == len(other_after)}

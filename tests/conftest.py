@@ -13,9 +13,13 @@ needs_cuda = pytest.mark.skipif(not _cuda_available(),
 
 
 def pytest_collection_modifyitems(config, items):
+    import os
+    slow = os.environ.get("RLHFZ_SLOW") == "1"
     for item in items:
         if item.get_closest_marker("gpu") and not _cuda_available():
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device (none visible here)"))
+        if item.get_closest_marker("slow") and not slow:
+            item.add_marker(pytest.mark.skip(reason="slow: runs with RLHFZ_SLOW=1"))
 
 
 def pytest_configure(config):

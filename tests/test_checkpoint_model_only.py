@@ -96,7 +96,7 @@ def test_a_save_replaces_the_last_atomically(tmp_path):
     _assert_same(fresh, _tensors(second))
 
 
-def test_a_model_sharded_at_stage_3_needs_its_optimizer(tmp_path):
-    for messages in run_ranks(workers.model_alone_of_a_sharded_model, 2, str(tmp_path)):
-        assert len(messages) == 2
-        assert all("sharded at stage 3" in m and "pass the ZeroAdamW" in m for m in messages)
+def test_a_model_sharded_at_stage_3_saves_and_loads_alone(tmp_path):
+    for result in run_ranks(workers.model_alone_of_a_sharded_model, 2, str(tmp_path)):
+        assert result["loaded"] and result["trained"]
+        assert result["keys"]

@@ -18,7 +18,8 @@ def _free_port():
 
 
 @pytest.mark.parametrize("script,marker", [("ppo_loop.py", "ppo_loop:"),
-                                           ("grpo_tiny.py", "grpo_tiny:")])
+                                           ("grpo_tiny.py", "grpo_tiny:"),
+                                           ("rlhf_stage3.py", "rlhf_stage3:")])
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_example_runs(script, marker, ranks):
     path = os.path.join(ROOT, "examples", script)
@@ -31,4 +32,6 @@ def test_example_runs(script, marker, ranks):
     done = subprocess.run(launch + [path], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"{marker}" in done.stdout and f"on {ranks} rank(s)" in done.stdout, done.stdout
-    assert f"stage {3 if ranks > 1 else 2}" in done.stdout
+    assert f"stage {3 if ranks > 1 or script == 'rlhf_stage3.py' else 2}" in done.stdout
+    if script == "rlhf_stage3.py":
+        assert "transformers reads it back with the same logits" in done.stdout

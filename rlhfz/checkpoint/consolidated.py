@@ -14,6 +14,7 @@ import secrets
 import torch
 
 from ..generation import iter_full_params, refuse_while_gathered, stage3_of, unwrap_model
+from ..sharding import sharding_of_model
 from .format import create_private
 from .validation import CheckpointError, all_ok
 
@@ -100,7 +101,7 @@ def load_consolidated(path, model, optimizer=None) -> None:
         raise CheckpointError(f"{path}/{MODEL_FILE} is not a state_dict of tensors")
     inner = unwrap_model(model)
     keep = inner.state_dict(keep_vars=True)
-    shapes = _param_shapes(optimizer)
+    shapes = _param_shapes(optimizer, model)
     missing = sorted(set(keep) - set(state))
     unexpected = sorted(set(state) - set(keep))
     if missing or unexpected:
@@ -124,30 +125,33 @@ def load_consolidated(path, model, optimizer=None) -> None:
     if comm is not None:
         comm.agree("load_consolidated", {"optimizer": optimizer_state is not None})
     with torch.no_grad():
-        owners = _param_owners(optimizer)
+        owners = _param_owners(optimizer, model)
         for name, t in keep.items():
             owner = owners.get(id(t))
             if owner is None:
                 t.detach().copy_(state[name])
             else:
                 owner[0].write_param(owner[1], state[name])
-        for bucket in _buckets(optimizer):
+        for bucket in _buckets(optimizer, model):
             bucket.sync_master()
     if optimizer_state is not None:
         optimizer.load_state_dict(optimizer_state)
 
 
-def _buckets(optimizer) -> list:
-    """A ZeroAdamW's buckets; none for None or one of torch's optimizers."""
+def _buckets(optimizer, model=None) -> list:
+    """A ZeroAdamW's buckets (none for None or one of torch's optimizers),
+    and the frozen ones of a sharded model."""
     from ..optim import ZeroAdamW
-    return optimizer.engine.buckets if isinstance(optimizer, ZeroAdamW) else []
+    record = sharding_of_model(model) if model is not None else None
+    return ((optimizer.engine.buckets if isinstance(optimizer, ZeroAdamW) else [])
+            + (record.engine.buckets if record is not None else []))
 
 
-def _param_shapes(optimizer) -> dict[int, tuple]:
-    return {id(p): tuple(slot.shape) for bucket in _buckets(optimizer)
+def _param_shapes(optimizer, model) -> dict[int, tuple]:
+    return {id(p): tuple(slot.shape) for bucket in _buckets(optimizer, model)
             for p, slot in zip(bucket.params, bucket.layout.slots)}
 
 
-def _param_owners(optimizer) -> dict[int, tuple]:
-    return {id(p): (bucket, i) for bucket in _buckets(optimizer)
+def _param_owners(optimizer, model) -> dict[int, tuple]:
+    return {id(p): (bucket, i) for bucket in _buckets(optimizer, model)
             for i, p in enumerate(bucket.params)}

@@ -8,8 +8,10 @@ either kind: a model-only checkpoint, or the params (from their buckets,
 across every rank's file) and buffers of a full one, leaving the optimizer
 state unread: a reference model, or a policy's weights without its states.
 
-The model must hold its params whole. A model sharded at stage 3 keeps its
-params in the optimizer's shards: pass the optimizer then.
+A model sharded at stage 3 (shard_model, or a stage-3 ZeroAdamW) is saved
+whole: its units are gathered one at a time and the first rank writes (a
+collective then). Loading into it is not: each rank reads the whole
+tensors and keeps its shard of each.
 """
 from __future__ import annotations
 
@@ -21,8 +23,10 @@ import secrets
 import torch
 
 from ..engine import shard_owner
-from ..generation import stage3_of, unwrap_model
+from ..generation import unwrap_model
+from ..model_state import full_state_dict, write_whole
 from ..progress import progress
+from ..sharding import sharding_of_model
 from .format import CorruptFileError, TensorFileWriter, fsync_dir
 from .generations import commit_generation, discard_generation
 from .validation import (FORMAT, CheckpointError, check_entries, file_name, open_files,
@@ -30,11 +34,7 @@ from .validation import (FORMAT, CheckpointError, check_entries, file_name, open
 
 
 def whole_model(model, call: str):
-    """The module, whose params must be whole (not stage-3 shards)."""
-    if stage3_of(model) is not None:
-        raise TypeError(f"{call}: this model is sharded at stage 3 and its params live in the "
-                        f"optimizer's shards: pass the ZeroAdamW too ({call}(path, model, "
-                        f"optimizer))")
+    """The module under wrappers (DDP, accelerate)."""
     return unwrap_model(model)
 
 
@@ -53,17 +53,54 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def save_model(path, model, client_state=None) -> None:
-    """Writes the model's state dict as a model-only checkpoint (not a
-    collective: the model is whole, so one process writes it)."""
+    """Writes the model's state dict as a model-only checkpoint: one
+    process writes it, or for a sharded model the first rank, from units
+    gathered one at a time (a collective then)."""
     module = whole_model(model, "save_checkpoint")
     try:
         client = json.loads(json.dumps(client_state))
     except (TypeError, ValueError) as error:
         raise TypeError(f"client_state must be JSON-serializable: {error}") from None
-    path = os.fspath(path)
+    record = sharding_of_model(module)
+    if record is None or record.stage3 is None:
+        _write_model(os.fspath(path), _tensors(module), client, hf_config(module))
+        return
+    state = full_state_dict(module, rank0_only=True)
+    error = None
+    if record.rank == 0:
+        try:
+            seen, tensors = set(), {}
+            for name, t in state.items():
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    tensors[name] = t
+            _write_model(os.fspath(path), tensors, client, hf_config(module))
+        except Exception as caught:          # every rank hears of it
+            error = caught
+    failed = record.comm.exchange(None if error is None else f"{type(error).__name__}: {error}",
+                                  "save_checkpoint")[0]
+    if error is not None:
+        raise error
+    if failed is not None:
+        raise CheckpointError(f"save_checkpoint: the first rank could not write {path}: {failed}")
+
+
+def hf_config(module):
+    """A transformers model's config as a dict (saved beside the tensors, so
+    that an export can be loaded by transformers), else None."""
+    config = getattr(module, "config", None)
+    to_dict = getattr(config, "to_dict", None)
+    if to_dict is None:
+        return None
+    try:
+        return json.loads(json.dumps(to_dict()))
+    except (TypeError, ValueError):
+        return None
+
+
+def _write_model(path: str, tensors: dict, client, config=None) -> None:
     if os.path.exists(path) and not os.path.isdir(path):
         raise CheckpointError(f"{path} exists and is not a directory")
-    tensors = _tensors(module)
     token = secrets.token_hex(8)
     tmp = os.path.join(path, f".tmp-{token}")
     if not os.path.isdir(path):
@@ -89,6 +126,7 @@ def save_model(path, model, client_state=None) -> None:
              "module": {n: {"shape": list(t.shape), "dtype": _dtype_name(t.dtype)}
                         for n, t in tensors.items()},
              "client_state": client, "generation": f"g-{token}",
+             **({"hf_config": config} if config is not None else {}),
              "files": [{"name": name, "bytes": writer.nbytes, "crc32": writer.crc32}]}
     try:
         commit_generation(path, tmp, token, index)
@@ -97,7 +135,7 @@ def save_model(path, model, client_state=None) -> None:
         raise
 
 
-def _plan(path, index, tensors) -> list[tuple[int, str, int, torch.Tensor]]:
+def plan_copies(path, index, tensors) -> list[tuple[int, str, int, torch.Tensor]]:
     """(rank, saved tensor, byte offset, destination) for every tensor of the
     model; CheckpointError, before anything is read, if any does not match."""
     params = {p["name"]: pos for pos, p in enumerate(index["params"]) if p["name"] is not None}
@@ -141,6 +179,26 @@ def _plan(path, index, tensors) -> list[tuple[int, str, int, torch.Tensor]]:
     return copies
 
 
+def open_checked(path, index, copies) -> dict:
+    """The rank files the copies read, opened, each entry and CRC checked
+    (CheckpointError on any fault, with nothing left open)."""
+    needed: dict[int, set[str]] = {}
+    for rank, name, _, _ in copies:
+        needed.setdefault(rank, set()).add(name)
+    files = {}
+    try:
+        files = open_files(path, index, needed)
+        check_entries(path, index, files, needed)
+        verify(path, index, files, needed)
+    except BaseException as error:
+        for tf in files.values():
+            tf.close()
+        if isinstance(error, CorruptFileError):
+            raise CheckpointError(str(error)) from None
+        raise
+    return files
+
+
 def load_model(path, model):
     """Loads the model's tensors from a model-only or a full checkpoint, in
     place; returns its client_state. Everything is checked first: on any
@@ -149,22 +207,22 @@ def load_model(path, model):
     path = os.fspath(path)
     index = read_index(path)
     tensors = _tensors(module)
+    # a sharded param is read whole into a staging tensor, then keeps its shard
+    record = sharding_of_model(module)
+    slots = record.sharded_slots() if record is not None else {}
+    staged = {}
+    for name, t in tensors.items():
+        if id(t) in slots:
+            bucket, i = slots[id(t)]
+            staged[id(t)] = tensors[name] = torch.empty(bucket.layout.slots[i].shape,
+                                                        dtype=bucket.dtype)
     for name, t in tensors.items():
         if not t.detach().is_contiguous():
             raise CheckpointError(f"{name} is not contiguous in this model: loading writes "
                                   f"into the tensor itself")
-    copies = _plan(path, index, tensors)
-    needed: dict[int, set[str]] = {}
-    for rank, name, _, _ in copies:
-        needed.setdefault(rank, set()).add(name)
-    files = {}
+    copies = plan_copies(path, index, tensors)
+    files = open_checked(path, index, copies)
     try:
-        try:
-            files = open_files(path, index, needed)
-            check_entries(path, index, files, needed)
-            verify(path, index, files, needed)
-        except CorruptFileError as error:
-            raise CheckpointError(str(error)) from None
         total = sum(dest.numel() * dest.element_size() for _, _, _, dest in copies)
         with torch.no_grad(), progress(total, "rlhfz load") as bar:
             for rank, name, offset, dest in copies:
@@ -173,4 +231,6 @@ def load_model(path, model):
     finally:
         for tf in files.values():
             tf.close()
+    if staged:
+        write_whole(record, staged)
     return index.get("client_state")

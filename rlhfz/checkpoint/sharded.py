@@ -24,11 +24,12 @@ import torch
 from ..generation import refuse_while_gathered, unwrap_model
 from ..engine import shard_owner
 from ..progress import progress
+from ..state_dict_hooks import gathered_values
 from ..state_dict import packed_groups
 from .consolidated import MODEL_FILE, load_consolidated
 from .format import CorruptFileError, TensorFileWriter, fsync_dir
 from .generations import commit_generation, discard_generation
-from .model_only import load_model, save_model, whole_model
+from .model_only import hf_config, load_model, save_model, whole_model
 from .validation import (FORMAT, INDEX, CheckpointError, all_ok, check_entries, check_groups,
                          check_match, file_name, open_files, read_index, verify)
 
@@ -57,14 +58,29 @@ def _names(model, optimizer) -> dict[int, str]:
     return names
 
 
-def _extras(model, optimizer) -> dict[str, torch.Tensor]:
+def _extras(model, optimizer, values: bool = False) -> dict[str, torch.Tensor]:
     """The model's state that the optimizer does not hold: buffers and
-    params it does not train (the same on every rank)."""
+    params it does not train (the same on every rank). Frozen params kept
+    as shards are gathered whole with values (a collective; the first rank
+    keeps them), else stand in as meta tensors of their shape."""
     if model is None:
         return {}
     owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    return {name: t for name, t in unwrap_model(model).state_dict(keep_vars=True).items()
-            if id(t) not in owned}
+    extras = {name: t for name, t in unwrap_model(model).state_dict(keep_vars=True).items()
+              if id(t) not in owned}
+    record = optimizer.sharding
+    frozen = record.frozen_slots() if record is not None else {}
+    ids = {id(t) for t in extras.values() if id(t) in frozen}
+    if not ids:
+        return extras
+    got = (gathered_values(record, ids, optimizer.rank == 0, "save_checkpoint") if values
+           else {})
+    for name, t in extras.items():
+        if id(t) in frozen:
+            bucket, index = frozen[id(t)]
+            extras[name] = got.get(id(t), torch.empty(bucket.layout.slots[index].shape,
+                                                      dtype=bucket.dtype, device="meta"))
+    return extras
 
 
 def _jsonable(key, value):
@@ -99,10 +115,14 @@ def _describe(model, optimizer) -> dict:
     for group in packed_groups(optimizer.param_groups):
         groups.append({k: (v if k == "params" else _jsonable(k, v)) for k, v in group.items()})
     extras = _extras(model, optimizer)
-    return {"format": FORMAT, "world_size": optimizer.world_size, "stage": optimizer.stage,
-            "params": params, "param_groups": groups, "buckets": buckets,
-            "module": {name: {"shape": list(t.shape), "dtype": str(t.dtype).split(".")[-1]}
-                       for name, t in extras.items()}}
+    described = {"format": FORMAT, "world_size": optimizer.world_size, "stage": optimizer.stage,
+                 "params": params, "param_groups": groups, "buckets": buckets,
+                 "module": {name: {"shape": list(t.shape), "dtype": str(t.dtype).split(".")[-1]}
+                            for name, t in extras.items()}}
+    config = hf_config(unwrap_model(model)) if model is not None else None
+    if config is not None:
+        described["hf_config"] = config       # for an export that transformers loads
+    return described
 
 
 # ---- saving -------------------------------------------------------------------------------
@@ -177,6 +197,7 @@ def save_checkpoint(path, model, optimizer=None, client_state: dict | None = Non
     tmp = os.path.join(path, f".tmp-{token}")
 
     error, info, index = None, None, None
+    extras = _extras(model, optimizer, values=True)     # a collective: before any rank can fail
     try:
         index = _describe(model, optimizer)
         index["client_state"] = json.loads(client_text)
@@ -186,7 +207,7 @@ def save_checkpoint(path, model, optimizer=None, client_state: dict | None = Non
             os.makedirs(path, exist_ok=True)
             fsync_dir(os.path.dirname(os.path.abspath(path)))
         os.makedirs(tmp, exist_ok=True)
-        info = _write_rank_file(tmp, optimizer, _extras(model, optimizer))
+        info = _write_rank_file(tmp, optimizer, extras)
     except Exception as caught:          # every rank must hear of it before raising
         error = caught
     infos = (comm.exchange(info, "save_checkpoint") if comm is not None else [info])
@@ -344,6 +365,16 @@ def load_checkpoint(path, model, optimizer=None):
     return index.get("client_state")
 
 
+def _frozen_by_name(model, optimizer) -> dict[str, tuple]:
+    """name -> (frozen bucket, index) of the model's frozen sharded params."""
+    record = optimizer.sharding
+    if record is None or model is None:
+        return {}
+    frozen = record.frozen_slots()
+    return {name: frozen[id(p)] for name, p in
+            unwrap_model(model).named_parameters(remove_duplicate=False) if id(p) in frozen}
+
+
 def _apply(index, plan, files, model, optimizer) -> None:
     total = sum(dest.numel() * dest.element_size() for _, _, _, dest in plan.copies)
     with torch.no_grad(), progress(total, "rlhfz load") as bar:
@@ -362,9 +393,14 @@ def _apply(index, plan, files, model, optimizer) -> None:
             bucket.pull_host_part(master=not bucket.has_master)
             bucket.state.refresh_stitched()
         extras = _extras(model, optimizer)
+        frozen = _frozen_by_name(model, optimizer)
         for name, t in extras.items():
             target = t.detach()
-            if target.is_contiguous():
+            if name in frozen:             # a frozen param's shard: this rank's part of it
+                bucket, slot = frozen[name]
+                bucket.write_param(slot, files[0].read(f"module.{name}").view(
+                    bucket.layout.slots[slot].shape))
+            elif target.is_contiguous():
                 files[0].read_into(f"module.{name}", 0, target)
             else:
                 target.copy_(files[0].read(f"module.{name}"))

@@ -64,8 +64,12 @@ def _digest(value) -> int:
 class ControlPlane:
     """A gloo group of rlhfz's own over the ranks of a process group."""
 
-    def __init__(self, process_group=None):
+    def __init__(self, process_group=None, timeout_s: float | None = None,
+                 timeout_name: str = "RLHFZ_COLLECTIVE_TIMEOUT"):
         self.process_group = process_group
+        # a plane of its own may wait less than the collectives do
+        self.timeout_s = collective_timeout() if timeout_s is None else float(timeout_s)
+        self.timeout_name = timeout_name
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
         ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
@@ -74,7 +78,8 @@ class ControlPlane:
         self.calls = 0                       # collective entry points this rank has made
         # Every rank constructs the optimizer, so creating the group here
         # keeps the collective order of new_group consistent.
-        self.group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout_delta())
+        self.group = dist.new_group(ranks=ranks, backend="gloo",
+                                    timeout=datetime.timedelta(seconds=self.timeout_s))
 
     def destroy(self) -> None:
         group, self.group = self.group, None
@@ -151,7 +156,7 @@ class ControlPlane:
         if _timed_out(error):
             return CollectiveMismatchError(
                 f"{where} not every rank of the {self.world_size} did within "
-                f"{collective_timeout():.0f} s (RLHFZ_COLLECTIVE_TIMEOUT): {error}")
+                f"{self.timeout_s:.0f} s ({self.timeout_name}): {error}")
         return CollectiveError(f"{where} {_LOST.format(n=self.world_size)}: {error}")
 
     def failed(self, call: str, error: Exception) -> CollectiveError:

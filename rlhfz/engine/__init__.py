@@ -4,6 +4,7 @@
     storage.py      a bucket's Buffers by region, and the registry of tensors over them
     state.py        a shard's master weights, moments and step counts
     bucket.py       the three put together, with the params attached
+    frozen_bucket.py  params alone (nothing trains them), sharded: reference models, LoRA bases
     engine.py       every bucket of an optimizer, and the step
     backends.py     the kernels and memory of a device (CPU, CUDA, simulated CUDA)
     host_memory.py  pinned host memory under a budget
@@ -14,6 +15,7 @@ from .backends import (DTYPE_NAMES, CudaBackend, HostBackend, SimulatedCudaBacke
                        torch_view)
 from .bucket import Bucket
 from .engine import BucketPlan, ShardEngine
+from .frozen_bucket import FrozenBucket
 from .host_memory import PinnedPool, host_buffer, pin_budget, release_pinned
 from .layout import (ALIGN_BYTES, BucketLayout, ShardLayout, Slot, plan_bucket, rank_range,
                      shard_owner, shard_size, stage2_bucket_bytes)
@@ -21,7 +23,7 @@ from .state import STATE_NAMES, ShardState
 from .storage import REGIONS, FlatStorage
 
 __all__ = ["ALIGN_BYTES", "Bucket", "BucketLayout", "BucketPlan", "CudaBackend", "DTYPE_NAMES",
-           "FlatStorage", "HostBackend", "PinnedPool", "REGIONS", "STATE_NAMES", "ShardEngine",
-           "ShardLayout", "ShardState", "SimulatedCudaBackend", "Slot", "backend_for",
-           "host_buffer", "pin_budget", "plan_bucket", "rank_range", "release_pinned", "shard_owner", "shard_size",
-           "stage2_bucket_bytes", "torch_view"]
+           "FlatStorage", "FrozenBucket", "HostBackend", "PinnedPool", "REGIONS", "STATE_NAMES",
+           "ShardEngine", "ShardLayout", "ShardState", "SimulatedCudaBackend", "Slot",
+           "backend_for", "host_buffer", "pin_budget", "plan_bucket", "rank_range",
+           "release_pinned", "shard_owner", "shard_size", "stage2_bucket_bytes", "torch_view"]

@@ -333,6 +333,13 @@ class Bucket:
         returns the collective's work with async_op."""
         if self.gathered is not None:
             return None
+        for p in self.params:
+            if p.dtype != self.dtype or p.device != self.backend.device:
+                raise RuntimeError(
+                    f"a sharded param (shape {tuple(self.layout.slots[0].shape)}, ...) was cast "
+                    f"or moved to {p.dtype} on {p.device} after sharding (model.to() / .half() "
+                    f"/ .cuda()); its shards are {self.dtype} on {self.backend.device} and stay "
+                    f"so: cast or move the model before shard_model or ZeroAdamW(stage=3)")
         # Transient memory: on a GPU torch's cache hands the same blocks back
         # gather after gather, in stream order (backends.CudaBackend.empty).
         flat = self.backend.empty(self.layout.padded_numel, self.dtype)

@@ -1,0 +1,252 @@
+"""Sharding a model apart from any optimizer, as FSDP2's fully_shard does.
+
+shard_model(model) puts every param of the module, frozen ones included, in
+the stage-3 layout: each unit's params in flat buckets of which every rank
+keeps its shard, gathered whole only while the unit runs (stage3.py). A
+reference or reward model needs nothing more; a LoRA base needs its frozen
+weights sharded beside trainable adapters.
+
+A ZeroAdamW built at stage=3 on params of a sharded model (in any number of
+param groups) takes the params it trains out of the frozen buckets: they get
+buckets with grads and optimizer state, in the same units, under the same
+hooks. ZeroAdamW(model, stage=3) shards the model this way first.
+
+The ShardedModel is the model's record of all that (its attribute
+_rlhfz_sharding); every param it holds maps back to it.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .comm import communicator_for
+from .comm.control import ControlPlane
+from .engine import DTYPE_NAMES, FrozenBucket, ShardEngine, backend_for
+from .stage3 import Stage3, assign_params
+from .state_dict_hooks import install_hooks
+
+ATTRIBUTE = "_rlhfz_sharding"
+STATE_DICT_TIMEOUT_S = 60.0
+_STAGE3 = "_rlhfz_stage3"
+_OWNERS = WeakIdKeyDictionary()           # param -> its ShardedModel
+
+
+class ShardedModel:
+    """A sharded model's units, its frozen buckets, and which params an
+    optimizer trains."""
+
+    def __init__(self, model: torch.nn.Module, comm, backend, wrap, threshold: int):
+        self.model = model
+        self.comm = comm
+        self.backend = backend
+        self.wrap = wrap
+        self.threshold = threshold
+        self.rank = comm.rank if comm is not None else 0
+        self.world_size = comm.world_size if comm is not None else 1
+        # the frozen buckets (no grads, no state): offload moves them like an optimizer's
+        self.engine = ShardEngine(backend, comm, stage=3)
+        self.stage3 = Stage3(comm, [], root=model) if comm is not None else None
+        self.trained: set[int] = set()        # id of every param an optimizer holds
+        self.optimizer = None
+        for p in model.parameters():
+            _OWNERS[p] = self
+        setattr(model, ATTRIBUTE, self)
+        self.state_dict_control = None
+        if self.stage3 is not None:
+            setattr(model, _STAGE3, self.stage3)
+            # model.state_dict() called on one rank alone (a save on rank 0
+            # only) fails in a minute, not at the collectives' timeout
+            self.state_dict_control = ControlPlane(
+                comm.control.process_group, timeout_s=state_dict_timeout(),
+                timeout_name="RLHFZ_STATE_DICT_TIMEOUT")
+            install_hooks(self)
+            if hasattr(model, "resize_token_embeddings"):
+                model.resize_token_embeddings = _refuse_resize
+
+    # ---- frozen buckets ----------------------------------------------------------------
+
+    def shard(self, params: list) -> None:
+        """Shards params that no optimizer trains into frozen buckets, unit by
+        unit (with one rank they stay whole). Every bucket is allocated
+        before any param is touched."""
+        if self.stage3 is None or not params:
+            return
+        order, _ = assign_params(self.model, self.wrap, self.threshold, params)
+        made = [(unit, [FrozenBucket([p for p in members if p.dtype == dtype], dtype,
+                                     self.rank, self.world_size, self.backend)
+                        for dtype in DTYPE_NAMES if any(p.dtype == dtype for p in members)])
+                for unit, members in order]
+        for _, buckets in made:
+            for bucket in buckets:
+                bucket.attach(index=len(self.engine.buckets))
+                self.engine.buckets.append(bucket)
+        self.stage3.add_units(made)
+
+    def take(self, params: list) -> None:
+        """Params an optimizer trains from now on: out of the frozen buckets,
+        whole again, for the optimizer to shard into buckets of its own (a
+        collective: the buckets that hold any of them are gathered)."""
+        wanted = {id(p) for p in params}
+        for bucket in [b for b in self.engine.buckets if any(id(p) in wanted for p in b.params)]:
+            bucket.gather(self.comm)
+            values = [p.detach().clone() for p in bucket.params]
+            keep = [p for p in bucket.params if id(p) not in wanted]
+            try:
+                rest = (FrozenBucket(keep, bucket.dtype, self.rank, self.world_size,
+                                     self.backend) if keep else None)
+            finally:
+                bucket.release()
+            with torch.no_grad():
+                for p, value in zip(bucket.params, values):
+                    p.data = value
+            where = self.engine.buckets.index(bucket)
+            if rest is None:
+                del self.engine.buckets[where]
+            else:
+                rest.attach(index=where)
+                self.engine.buckets[where] = rest
+            self.stage3.replace_bucket(bucket, rest)
+        self.trained |= wanted
+
+    def give_back(self, params: list) -> None:
+        """Undoes take() when the optimizer could not build its buckets."""
+        self.trained -= {id(p) for p in params}
+        self.shard(params)
+
+    def check_trainable(self, params: list) -> None:
+        """Params a stage-3 optimizer may take: trainable, and not another's."""
+        slots = self.sharded_slots()
+        frozen = [tuple(slots[id(p)][0].layout.slots[slots[id(p)][1]].shape) if id(p) in slots
+                  else tuple(p.shape) for p in params if not p.requires_grad]
+        if frozen:
+            raise ValueError(
+                f"{len(frozen)} param(s) of the group are frozen (requires_grad=False), e.g. one "
+                f"of shape {frozen[0]}: leave them out of the optimizer's groups, as "
+                f"transformers' Trainer does; the sharded model keeps them sharded without "
+                f"grads or state (to unfreeze one, requires_grad_(True) then add_param_group)")
+        if self.stage3 is not None and any(id(p) in self.trained for p in params):
+            raise ValueError("a param of the group is trained by another optimizer already")
+
+    def frozen_slots(self) -> dict[int, tuple]:
+        """id(param) -> (its frozen bucket, its index there)."""
+        return {id(p): (bucket, i) for bucket in self.engine.buckets
+                for i, p in enumerate(bucket.params)}
+
+    def sharded_slots(self) -> dict[int, tuple]:
+        """id(param) -> (bucket, index) of every param kept as shards here,
+        an optimizer's and the frozen ones."""
+        if self.stage3 is None:
+            return {}
+        return {id(p): (bucket, i) for _, buckets in self.stage3.units for bucket in buckets
+                for i, p in enumerate(bucket.params)}
+
+
+def _refuse_resize(*args, **kwargs):
+    raise NotImplementedError(
+        "resize_token_embeddings on a sharded model would copy the empty placeholders its "
+        "embeddings hold between uses: resize the model before shard_model or "
+        "ZeroAdamW(model, stage=3)")
+
+
+def state_dict_timeout() -> float:
+    return float(os.environ.get("RLHFZ_STATE_DICT_TIMEOUT", STATE_DICT_TIMEOUT_S))
+
+
+def sharding_of_model(model) -> ShardedModel | None:
+    """The record of a model sharded by shard_model or a stage-3 ZeroAdamW
+    (under DDP / accelerate wrappers too), or None."""
+    seen = 0
+    while not hasattr(model, ATTRIBUTE) and hasattr(model, "module") and seen < 8:
+        model = model.module
+        seen += 1
+    return getattr(model, ATTRIBUTE, None)
+
+
+def sharding_of(params: list) -> ShardedModel | None:
+    """The ShardedModel that holds these params, or None when none of them
+    belongs to one. Params of several models, or of a sharded model mixed
+    with others, are refused."""
+    records = {id(r): r for r in (_OWNERS.get(p) for p in params) if r is not None}
+    if not records:
+        return None
+    if len(records) > 1 or any(_OWNERS.get(p) is None for p in params):
+        raise ValueError("the params come from more than one model, or mix a model sharded "
+                         "with rlhfz.shard_model with others: one stage-3 optimizer trains "
+                         "params of one sharded model")
+    return next(iter(records.values()))
+
+
+def check_sharded_model(record: ShardedModel, stage: int, process_group, wrap,
+                        threshold: int, collectives: str) -> None:
+    """A ZeroAdamW on params of a sharded model takes its sharding: options
+    that say otherwise are refused."""
+    if record.world_size == 1:
+        return
+    if stage != 3:
+        raise ValueError(f"these params belong to a model sharded with rlhfz.shard_model (or a "
+                         f"stage-3 ZeroAdamW): train them with stage=3, not stage={stage}")
+    group = record.comm.group
+    if process_group is not None and process_group is not group:
+        raise ValueError("process_group differs from the one the model was sharded over: "
+                         "leave it out, the optimizer takes the model's")
+    if wrap is not None and wrap != record.wrap:
+        raise ValueError(f"wrap={wrap!r} differs from the model's sharding ({record.wrap!r}): "
+                         f"leave it out, the optimizer takes the model's units")
+    if threshold not in (100_000, record.threshold):
+        raise ValueError(f"param_persistence_threshold={threshold} differs from the model's "
+                         f"sharding ({record.threshold}): leave it out")
+    if collectives != "torch":
+        raise ValueError("a model sharded with rlhfz.shard_model gathers over torch.distributed: "
+                         "collectives='nccl' needs ZeroAdamW(model, stage=3) on the unsharded "
+                         "model")
+
+
+def check_shardable(model: torch.nn.Module) -> torch.device:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"shard_model takes an nn.Module, not {type(model).__name__}")
+    if hasattr(model, ATTRIBUTE):
+        raise ValueError("this model is sharded already (by shard_model or a stage-3 "
+                         "ZeroAdamW)")
+    params = list(model.parameters())
+    devices = {p.device for p in params}
+    if any(d.type == "meta" for d in devices):
+        raise NotImplementedError(
+            "shard_model does not take params on the meta device: build the model on the CPU "
+            "(or its device), then shard it")
+    if len(devices) > 1:
+        raise ValueError(f"every param must be on one device to shard, not "
+                         f"{sorted(map(str, devices))}")
+    bad = sorted({str(p.dtype) for p in params if p.dtype not in DTYPE_NAMES})
+    if bad:
+        raise TypeError(f"shard_model shards float32, bfloat16 and float16 params, not {bad}: "
+                        f"cast the model first")
+    return next(iter(devices)) if devices else torch.device("cpu")
+
+
+def shard_model(model: torch.nn.Module, *, process_group=None, wrap=None,
+                param_persistence_threshold: int = 100_000) -> torch.nn.Module:
+    """Shards every param of the model in place, frozen ones included (the
+    stage-3 layout, with or without an optimizer); returns the model. Every
+    rank calls it and starts from the first rank's values. With one process
+    the params stay whole."""
+    device = check_shardable(model)
+    if isinstance(param_persistence_threshold, bool) or \
+            not isinstance(param_persistence_threshold, int) or param_persistence_threshold < 0:
+        raise ValueError(f"param_persistence_threshold must be an int >= 0, not "
+                         f"{param_persistence_threshold!r}")
+    backend = backend_for(device)
+    comm = communicator_for(process_group, "torch", backend)
+    return shard_with(model, comm, backend, wrap, param_persistence_threshold,
+                      list(model.parameters()))
+
+
+def shard_with(model, comm, backend, wrap, threshold: int, params: list) -> torch.nn.Module:
+    """shard_model on a communicator already made (a stage-3 ZeroAdamW's):
+    shards `params`, the rest are left to the optimizer."""
+    record = ShardedModel(model, comm, backend, wrap, threshold)
+    if comm is not None:
+        comm.start_from_first_rank(params, "shard_model")
+    record.shard(params)
+    return model

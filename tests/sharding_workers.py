@@ -1,0 +1,303 @@
+"""Per-rank bodies of the shard_model tests (importable by spawned ranks):
+frozen models sharded without an optimizer, Hugging Face's two param
+groups at stage 3, LoRA on a sharded base, and whole state dicts."""
+import os
+
+import torch
+
+import rlhfz
+from stage3_workers import batches, greedy, lm_loss, tiny_lm
+
+DECAY = 0.1
+
+
+def hf_groups(model):
+    """transformers' split: weight decay for weights, none for biases and norms."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if name.endswith("bias") or "ln" in name or "norm" in name
+         else decay).append(p)
+    return [{"params": decay, "weight_decay": DECAY}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def reference_training(groups, steps, clip=True):
+    """One process of torch.optim.AdamW on the tiny GPT-2 with the param
+    groups groups(model) gives: (losses, state dict)."""
+    model = tiny_lm("gpt2")
+    opt = torch.optim.AdamW(groups(model), lr=1e-3)
+    losses = []
+    for ids in batches(steps):
+        opt.zero_grad()
+        loss = lm_loss(model, ids)
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+def two_groups(rank, world_size, steps):
+    """shard_model, then ZeroAdamW over HF's two groups at stage 3."""
+    model = rlhfz.shard_model(tiny_lm("gpt2"), param_persistence_threshold=64)
+    opt = rlhfz.ZeroAdamW(hf_groups(model), stage=3, lr=1e-3)
+    losses = []
+    for ids in batches(steps):
+        opt.zero_grad()
+        loss = lm_loss(model, ids[rank::world_size])
+        loss.backward()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)
+        losses.append(total.item() / world_size)
+    units = len(opt.stage3.units)
+    gathers_per_unit = max(len(buckets) for _, buckets in opt.stage3.units)
+    full = rlhfz.full_state_dict(model)
+    return {"losses": losses, "full": full, "units": units, "groups": len(opt.param_groups),
+            "gathers_per_unit": gathers_per_unit,
+            "decay": [g["weight_decay"] for g in opt.param_groups]}
+
+
+def frozen_model(rank, world_size):
+    """A reference model sharded with no optimizer: bytes held, generation,
+    logits, iter_full_params, state dicts, offload and reload."""
+    reference = tiny_lm("llama", seed=3).eval()
+    for p in reference.parameters():
+        p.requires_grad_(False)
+    total = sum(p.numel() * p.element_size() for p in reference.parameters())
+    numels = [p.numel() for p in reference.parameters()]
+    ids = torch.tensor([[5, 17, 23, 42, 8, 9]])
+    with torch.no_grad():
+        logits = reference(ids).logits
+    tokens = greedy(reference)
+    model = rlhfz.shard_model(reference, param_persistence_threshold=0)
+    record = model._rlhfz_sharding
+    held = sum(b.storage.buffers["param"].nbytes for b in record.engine.buckets)
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())   # placeholders: 0
+    out = {"total": total, "held": held, "whole_after": whole, "numels": numels,
+           "buckets": [(b.layout.padded_numel, b.itemsize) for b in record.engine.buckets]}
+    with torch.no_grad():
+        out["logits_equal"] = torch.equal(model(ids).logits, logits)
+    out["gathered_after_forward"] = record.stage3.gathered_bytes()
+    out["tokens_equal"] = torch.equal(greedy(model), tokens)
+    with rlhfz.gather_for_generation(model, enabled=False):
+        out["unit_tokens_equal"] = torch.equal(greedy(model), tokens)
+    out["params_equal"] = all(torch.equal(t, dict(tiny_lm("llama", seed=3).named_parameters())
+                                          [name].detach())
+                              for name, t in rlhfz.iter_full_params(model))
+    state = model.state_dict()
+    out["state_dict_equal"] = all(torch.equal(state[k], v)
+                                  for k, v in tiny_lm("llama", seed=3).state_dict().items())
+    out["keep_vars_placeholders"] = all(t.numel() == 0 for t in
+                                        model.state_dict(keep_vars=True).values()
+                                        if isinstance(t, torch.nn.Parameter))
+    full = rlhfz.full_state_dict(model)
+    out["full_keys"] = sorted(full)
+    out["full_equal"] = rank != 0 or all(torch.equal(full[k], v) for k, v in
+                                         tiny_lm("llama", seed=3).state_dict().items())
+    out["tied"] = rank != 0 or full["lm_head.weight"] is full["model.embed_tokens.weight"]
+    rlhfz.offload(model)
+    out["placement_offloaded"] = sorted({b.storage.buffers["param"].tier
+                                         for b in record.engine.buckets})
+    rlhfz.reload(model)
+    with torch.no_grad():
+        out["logits_after_reload"] = torch.equal(model(ids).logits, logits)
+    return out
+
+
+def lora(rank, world_size, steps):
+    """LoRA on a tiny GPT-2 at stage 3: the base sharded without state, the
+    adapters trained; losses and adapters to compare with one process."""
+    from peft import LoraConfig, get_peft_model
+    model = get_peft_model(tiny_lm("gpt2"), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                        target_modules=["c_attn", "c_fc"],
+                                                        fan_in_fan_out=True))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen_total = sum(p.numel() * p.element_size() for p in model.parameters()
+                       if not p.requires_grad)
+    opt = rlhfz.ZeroAdamW(model, stage=3, lr=1e-2, param_persistence_threshold=64)
+    record = model._rlhfz_sharding
+    frozen_held = sum(b.storage.buffers["param"].nbytes for b in record.engine.buckets)
+    report = opt.memory_report()
+    losses, gathered_after_backward = [], []
+    for ids in batches(steps):
+        opt.zero_grad()
+        loss = lm_loss(model, ids[rank::world_size])
+        loss.backward()
+        gathered_after_backward.append(record.stage3.gathered_bytes())
+        opt.step()
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)
+        losses.append(total.item() / world_size)
+    adapters = {name: t.clone() for name, t in rlhfz.iter_full_params(model) if "lora_" in name}
+    return {"losses": losses, "adapters": adapters, "trainable": trainable,
+            "state_bytes": sum(report["exp_avg"].values()) + sum(report["exp_avg_sq"].values()),
+            "frozen_held": frozen_held, "frozen_total": frozen_total,
+            "gathered_after_backward": gathered_after_backward}
+
+
+def refusals(rank, world_size):
+    """What a sharded model refuses, each with the words that say why."""
+    model = rlhfz.shard_model(tiny_lm("gpt2"), param_persistence_threshold=64)
+    out = {}
+
+    def attempt(key, fn):
+        try:
+            fn()
+            out[key] = "no error"
+        except (ValueError, TypeError, NotImplementedError) as error:
+            out[key] = str(error)
+    attempt("twice", lambda: rlhfz.shard_model(model))
+    attempt("stage2", lambda: rlhfz.ZeroAdamW(model.parameters(), stage=2))
+    attempt("wrap", lambda: rlhfz.ZeroAdamW(model.parameters(), stage=3,
+                                            wrap=[torch.nn.Linear]))
+    model.transformer.wte.weight.requires_grad_(False)
+    attempt("frozen", lambda: rlhfz.ZeroAdamW(list(model.parameters()), stage=3))
+    model.transformer.wte.weight.requires_grad_(True)
+    plain = tiny_lm("gpt2")
+    attempt("mixed", lambda: rlhfz.ZeroAdamW(list(model.parameters())
+                                             + list(plain.parameters()), stage=3))
+    attempt("plain", lambda: rlhfz.ZeroAdamW(plain.parameters(), stage=3))
+    with torch.device("meta"):
+        meta = torch.nn.Linear(4, 4)
+    attempt("meta", lambda: rlhfz.shard_model(meta))
+    attempt("resize", lambda: model.resize_token_embeddings(120))
+    cast = rlhfz.shard_model(tiny_lm("llama"), param_persistence_threshold=64).half()
+    try:
+        with torch.no_grad():
+            cast(batches(1)[0])
+        out["cast"] = "no error"
+    except RuntimeError as error:
+        out["cast"] = str(error)
+    # after refusals the model still trains: unfreezing through add_param_group
+    opt = rlhfz.ZeroAdamW([p for n, p in model.named_parameters() if "h.0." not in n], stage=3)
+    late = [p for n, p in model.named_parameters() if "h.0." in n]
+    opt.add_param_group({"params": late, "weight_decay": 0.0})
+    ids = batches(1)[0][rank::world_size]
+    opt.zero_grad()
+    lm_loss(model, ids).backward()
+    opt.step()
+    out["late_state"] = all(p in opt.state for p in late)
+    return out
+
+
+def checkpoint_frozen(rank, world_size, directory):
+    """A stage-3 policy with a frozen part, saved and loaded; a frozen
+    reference model saved and loaded alone."""
+    model = tiny_lm("gpt2")
+    model.transformer.h[0].requires_grad_(False)
+    model.transformer.wpe.requires_grad_(False)
+    opt = rlhfz.ZeroAdamW(model, stage=3, lr=1e-3, param_persistence_threshold=64)
+    for ids in batches(3):
+        opt.zero_grad()
+        lm_loss(model, ids[rank::world_size]).backward()
+        opt.step()
+    before = rlhfz.full_state_dict(model, rank0_only=False)
+    policy_dir = os.path.join(directory, "policy")
+    rlhfz.save_checkpoint(policy_dir, model, opt)
+    fresh = tiny_lm("gpt2", seed=7)
+    fresh.transformer.h[0].requires_grad_(False)
+    fresh.transformer.wpe.requires_grad_(False)
+    opt2 = rlhfz.ZeroAdamW(fresh, stage=3, lr=1e-3, param_persistence_threshold=64)
+    rlhfz.load_checkpoint(policy_dir, fresh, opt2)
+    after = rlhfz.full_state_dict(fresh, rank0_only=False)
+    out = {"policy_equal": all(torch.equal(before[k], after[k]) for k in before)}
+    ref = rlhfz.shard_model(tiny_lm("gpt2", seed=5).requires_grad_(False),
+                            param_persistence_threshold=0)
+    ref_dir = os.path.join(directory, "reference")
+    rlhfz.save_checkpoint(ref_dir, ref)
+    ref_before = rlhfz.full_state_dict(ref, rank0_only=False)
+    other = rlhfz.shard_model(tiny_lm("gpt2", seed=6).requires_grad_(False),
+                              param_persistence_threshold=0)
+    rlhfz.load_checkpoint(ref_dir, other)
+    ref_after = rlhfz.full_state_dict(other, rank0_only=False)
+    out["reference_equal"] = all(torch.equal(ref_before[k], ref_after[k]) for k in ref_before)
+    # the policy's weights alone, into a model sharded with no optimizer
+    weights = rlhfz.shard_model(tiny_lm("gpt2", seed=8), param_persistence_threshold=0)
+    rlhfz.load_checkpoint(policy_dir, weights)
+    loaded = rlhfz.full_state_dict(weights, rank0_only=False)
+    out["weights_equal"] = all(torch.equal(before[k], loaded[k]) for k in before)
+    return out
+
+
+def pretrained_round_trip(rank, world_size, directory, kind):
+    """A stage-3 policy trained a little, written with save_pretrained;
+    transformers reads it, and load_pretrained reads it into a fresh
+    sharded model."""
+    model = tiny_lm(kind)
+    opt = rlhfz.ZeroAdamW(model, stage=3, lr=1e-2, param_persistence_threshold=64)
+    for ids in batches(2):
+        opt.zero_grad()
+        lm_loss(model, ids[rank::world_size]).backward()
+        opt.step()
+    whole = rlhfz.full_state_dict(model, rank0_only=False)
+    ids = torch.tensor([[5, 17, 23, 42, 8, 9]])
+    with torch.no_grad():
+        logits = model(ids).logits
+    rlhfz.save_pretrained(model, directory, max_shard_size="100KB")
+    fresh = rlhfz.shard_model(tiny_lm(kind, seed=9), param_persistence_threshold=0)
+    rlhfz.load_pretrained(fresh, directory)
+    loaded = rlhfz.full_state_dict(fresh, rank0_only=False)
+    with torch.no_grad():
+        fresh_logits = fresh(ids).logits
+    return {"whole": whole, "logits": logits, "loaded_equal":
+            all(torch.equal(whole[k], loaded[k]) for k in whole),
+            "fresh_logits_equal": torch.equal(fresh_logits, logits)}
+
+
+def compiled_training(rank, world_size, stage, steps, backend):
+    """torch.compile of a model trained by ZeroAdamW: losses, and the whole
+    params at the end."""
+    model = tiny_lm("gpt2")
+    opt = rlhfz.ZeroAdamW(model, stage=stage, lr=1e-3, param_persistence_threshold=64)
+    compiled = torch.compile(model, backend=backend)
+    losses = []
+    for ids in batches(steps):
+        opt.zero_grad()
+        loss = lm_loss(compiled, ids[rank::world_size])
+        loss.backward()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        total = loss.detach().clone()
+        if world_size > 1:
+            torch.distributed.all_reduce(total)
+        losses.append(total.item() / world_size)
+    return {"losses": losses, "full": rlhfz.full_state_dict(model)}
+
+
+def checkpoint_for_export(rank, world_size, directory):
+    """A stage-3 policy with a frozen block, trained a little and saved;
+    its whole state dict to compare the export with."""
+    model = tiny_lm("gpt2")
+    model.transformer.h[1].requires_grad_(False)
+    opt = rlhfz.ZeroAdamW(model, stage=3, lr=1e-2, param_persistence_threshold=64)
+    for ids in batches(2):
+        opt.zero_grad()
+        lm_loss(model, ids[rank::world_size]).backward()
+        opt.step()
+    rlhfz.save_checkpoint(directory, model, opt)
+    return rlhfz.full_state_dict(model)
+
+
+def state_dict_on_one_rank(rank, world_size):
+    """Rank 0 asks for model.state_dict() alone: it fails within the
+    state-dict timeout, saying what to call instead."""
+    os.environ["RLHFZ_STATE_DICT_TIMEOUT"] = "5"
+    model = rlhfz.shard_model(tiny_lm("gpt2"), param_persistence_threshold=64)
+    out = {}
+    if rank == 0:
+        import time
+        start = time.monotonic()
+        try:
+            model.state_dict()
+            out["error"] = "no error"
+        except RuntimeError as error:
+            out["error"] = str(error)
+        out["seconds"] = time.monotonic() - start
+    else:
+        import time
+        time.sleep(15)          # alive, elsewhere: rank 0 waits out the timeout
+    return out
