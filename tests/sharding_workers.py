@@ -237,13 +237,18 @@ def pretrained_round_trip(rank, world_size, directory, kind):
     ids = torch.tensor([[5, 17, 23, 42, 8, 9]])
     with torch.no_grad():
         logits = model(ids).logits
+    stage3 = opt.stage3
+    largest_unit = max(stage3.unit_bytes(i) for i in range(len(stage3.units)))
+    stage3.peak_bytes = 0
     rlhfz.save_pretrained(model, directory, max_shard_size="100KB")
+    save_peak = stage3.peak_bytes
     fresh = rlhfz.shard_model(tiny_lm(kind, seed=9), param_persistence_threshold=0)
     rlhfz.load_pretrained(fresh, directory)
     loaded = rlhfz.full_state_dict(fresh, rank0_only=False)
     with torch.no_grad():
         fresh_logits = fresh(ids).logits
-    return {"whole": whole, "logits": logits, "loaded_equal":
+    return {"whole": whole, "logits": logits, "save_peak": save_peak,
+            "largest_unit": largest_unit, "loaded_equal":
             all(torch.equal(whole[k], loaded[k]) for k in whole),
             "fresh_logits_equal": torch.equal(fresh_logits, logits)}
 

@@ -162,6 +162,7 @@ def test_save_pretrained_writes_what_transformers_loads_bit_exactly(tmp_path, ki
         assert torch.equal(auto(ids).logits, results[0]["logits"])
     for r in results:
         assert r["loaded_equal"] and r["fresh_logits_equal"]
+        assert 0 < r["save_peak"] <= r["largest_unit"]       # one unit at a time
 
 
 def test_load_pretrained_checks_everything_before_writing(tmp_path):

@@ -11,21 +11,18 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
-import struct
 
 import torch
 
 from ..progress import progress
 from .format import fsync_dir
 from .model_only import open_checked, plan_copies
+from .safetensors_out import DTYPES as SAFETENSORS_DTYPES
+from .safetensors_out import SafetensorsWriter
 from .validation import CheckpointError, read_index
 
 OUTPUT = "model.safetensors"
 CONFIG = "config.json"
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
-                       torch.float64: "F64", torch.int64: "I64", torch.int32: "I32",
-                       torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -41,33 +38,11 @@ def _tensors(path, index) -> dict[str, tuple[list, torch.dtype]]:
         out[p["name"]] = (p["shape"], getattr(torch, p["dtype"]))
     for name, spec in index["module"].items():
         dtype = getattr(torch, spec["dtype"], None)
-        if not isinstance(dtype, torch.dtype) or dtype not in _SAFETENSORS_DTYPES:
+        if not isinstance(dtype, torch.dtype) or dtype not in SAFETENSORS_DTYPES:
             raise CheckpointError(f"{path}: {name!r} has dtype {spec['dtype']!r}, which "
                                   f"safetensors does not hold")
         out.setdefault(name, (spec["shape"], dtype))
     return out
-
-
-def _header(tensors: dict, cast) -> tuple[bytes, int]:
-    """safetensors' header (length, JSON, space padding to 8 bytes) and the
-    data's length."""
-    entries, offset = {"__metadata__": {"format": "pt"}}, 0
-    for name, (shape, dtype) in tensors.items():
-        out = cast(dtype)
-        nbytes = out.itemsize * _numel(shape)
-        entries[name] = {"dtype": _SAFETENSORS_DTYPES[out], "shape": list(shape),
-                         "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    text = json.dumps(entries, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text, offset
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def consolidate(checkpoint, out, dtype: str | None = None) -> dict:
@@ -88,30 +63,26 @@ def consolidate(checkpoint, out, dtype: str | None = None) -> dict:
               for name, (shape, saved) in tensors.items()}
     files = open_checked(checkpoint, index, plan_copies(checkpoint, index, shapes))
     try:
-        header, data_bytes = _header(tensors, cast)
         os.makedirs(out, exist_ok=True)
-        final = os.path.join(out, OUTPUT)
-        staged = f"{final}.tmp-{secrets.token_hex(8)}"
+        writer = SafetensorsWriter(os.path.join(out, OUTPUT),
+                                   [(name, cast(saved), shape)
+                                    for name, (shape, saved) in tensors.items()])
         largest = 0
         try:
-            with open(staged, "wb") as f, progress(data_bytes, "rlhfz consolidate") as bar:
-                f.write(header)
+            with progress(writer.data_bytes, "rlhfz consolidate") as bar:
                 for name, (shape, saved) in tensors.items():
                     whole = torch.empty(shape, dtype=saved)
                     largest = max(largest, whole.numel() * whole.element_size())
                     for rank, entry, offset, dest in plan_copies(checkpoint, index,
                                                                  {name: whole}):
                         files[rank].read_into(entry, offset, dest)
-                    written = whole.to(cast(saved)).contiguous().reshape(-1)
-                    f.write(memoryview(written.view(torch.uint8).numpy()))
+                    written = whole.to(cast(saved))
+                    writer.write(name, written)
                     bar.update(written.numel() * written.element_size())
                     del whole, written
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(staged, final)
+            writer.close()
         except BaseException:
-            if os.path.exists(staged):
-                os.unlink(staged)
+            writer.abort()
             raise
         if isinstance(index.get("hf_config"), dict):
             config = dict(index["hf_config"])
@@ -123,4 +94,4 @@ def consolidate(checkpoint, out, dtype: str | None = None) -> dict:
     finally:
         for tf in files.values():
             tf.close()
-    return {"tensors": len(tensors), "bytes": len(header) + data_bytes, "largest": largest}
+    return {"tensors": len(tensors), "bytes": writer.nbytes, "largest": largest}
