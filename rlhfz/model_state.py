@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .sharding import sharding_of_model
+from .sharding import mark_filled, sharding_of_model
 from .state_dict_hooks import gathered_values
 
 
@@ -59,6 +59,8 @@ def write_whole(record, values: dict[int, torch.Tensor], sync: bool = True) -> d
                 touched[id(bucket)] = bucket
             else:
                 p.detach().copy_(value)
+    mark_filled(record, [p for p in record.model.parameters() if id(p) in values]
+                if record is not None else [])
     if sync:
         sync_buckets(touched.values())
     return touched

@@ -16,8 +16,11 @@ import os
 import torch
 
 from .checkpoint.safetensors_out import SafetensorsWriter, nbytes
+from .lora_export import adapter_units, base_name, is_peft, merge_plan, merged
 from .model_state import sync_buckets, unwrapped, whole_shape, write_whole
 from .progress import progress
+from .sharding import mark_filled
+from .state_dict_hooks import gathered_values
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -27,36 +30,50 @@ def save_pretrained(model, path, *, max_shard_size="5GB", adapters="merged") -> 
     """Writes the model as transformers does. A sharded model streams: every
     rank gathers its units one at a time (a collective), and the first rank
     writes each unit's tensors before the next is gathered, so no rank holds
-    more than one unit beyond its shard. adapters: "merged" or "only" for a
-    PEFT model, which is refused for now (merge the adapters first)."""
+    more than one unit beyond its shard. For a PEFT LoRA model,
+    adapters="merged" writes the base model with the adapters folded in (as
+    merge_and_unload would, the model untouched), "only" the adapter files
+    PEFT loads."""
     if adapters not in ("merged", "only"):
         raise ValueError(f"adapters must be 'merged' or 'only', not {adapters!r}")
     record, inner = unwrapped(model)
-    if type(inner).__module__.startswith("peft"):
-        raise NotImplementedError(
-            "save_pretrained of a PEFT model is not supported yet: take "
-            "rlhfz.full_state_dict(model) and PEFT's own helpers, or merge the adapters "
-            "(merge_and_unload) inside gather_for_generation and save the merged model")
     if not hasattr(inner, "save_pretrained") or not hasattr(inner, "config"):
-        raise TypeError(f"save_pretrained needs a transformers model (a PreTrainedModel), not "
+        raise TypeError(f"save_pretrained needs a transformers or PEFT model, not "
                         f"{type(inner).__name__}: save_checkpoint writes any nn.Module")
     limit = shard_size_bytes(max_shard_size)
     path = os.fspath(path)
-    if record is None or record.stage3 is None:
+    peft = is_peft(inner)
+    sharded = record is not None and record.stage3 is not None
+    if not peft and not sharded:
         inner.save_pretrained(path, max_shard_size=limit, safe_serialization=True)
         return
     error = None
     try:
-        _stream(record, inner, path, limit)
+        if peft and adapters == "only":
+            _save_adapters(record if sharded else None, inner, path)
+        else:
+            _stream(record if sharded else None, inner, path, limit)
     except Exception as caught:          # every rank hears of it
         error = caught
-    failed = record.comm.exchange(None if error is None else f"{type(error).__name__}: {error}",
-                                  "save_pretrained")
+    failed = (record.comm.exchange(None if error is None else f"{type(error).__name__}: {error}",
+                                   "save_pretrained") if sharded else [None])
     if error is not None:
         raise error
     bad = next((f for f in failed if f is not None), None)
     if bad is not None:
         raise RuntimeError(f"save_pretrained: another rank failed: {bad}")
+
+
+def _save_adapters(record, peft_model, path: str) -> None:
+    """PEFT's adapter files from the trainable params, gathered whole."""
+    trainable = {name: p for name, p in peft_model.named_parameters() if p.requires_grad}
+    slots = record.sharded_slots() if record is not None else {}
+    keep = record is None or record.rank == 0
+    got = (gathered_values(record, {id(p) for p in trainable.values() if id(p) in slots}, keep,
+                           "save_pretrained") if record is not None else {})
+    if keep:
+        state = {name: got.get(id(p), p.detach()) for name, p in trainable.items()}
+        peft_model.save_pretrained(path, state_dict=state, safe_serialization=True)
 
 
 def shard_size_bytes(value) -> int:
@@ -76,26 +93,32 @@ def shard_size_bytes(value) -> int:
     raise ValueError(f"max_shard_size must be bytes (an int) or like '5GB', not {value!r}")
 
 
-def _layout(record, inner) -> list[tuple[int | None, str, torch.Tensor]]:
-    """(unit or None, name, tensor) of every tensor to save, each tied
-    tensor once under its first name: whole tensors first, then unit by
-    unit in the order they are gathered."""
-    slots = record.sharded_slots()
-    unit_of = {id(p): u for u, (_, buckets) in enumerate(record.stage3.units)
-               for b in buckets for p in b.params}
+def _layout(record, inner):
+    """(config holder, [(unit or None, name, tensor, merge)]): every tensor
+    to save, each tied tensor once under its first name, whole tensors
+    first, then unit by unit in the order they are gathered. For a PEFT
+    model: the base model's names, LoRA weights to merge, no adapter params."""
+    merges, skip, rename, holder = {}, set(), (lambda n: n), inner
+    if is_peft(inner):
+        holder, merges, skip = merge_plan(inner)
+        rename = base_name
+    slots = record.sharded_slots() if record is not None else {}
+    unit_of = ({id(p): u for u, (_, buckets) in enumerate(record.stage3.units)
+                for b in buckets for p in b.params} if record is not None else {})
     seen, entries = set(), []
-    for name, t in inner.state_dict(keep_vars=True).items():
-        if id(t) in seen:
+    for name, t in holder.state_dict(keep_vars=True).items():
+        if id(t) in seen or id(t) in skip:
             continue
         seen.add(id(t))
-        entries.append((unit_of.get(id(t)) if id(t) in slots else None, name, t))
-    return sorted(entries, key=lambda e: -1 if e[0] is None else e[0])
+        entries.append((unit_of.get(id(t)) if id(t) in slots else None, rename(name), t,
+                        merges.get(id(t))))
+    return holder, sorted(entries, key=lambda e: -1 if e[0] is None else e[0]), unit_of
 
 
 def _stream(record, inner, path: str, limit: int) -> None:
-    """save_pretrained's files from units gathered one at a time."""
-    entries = _layout(record, inner)
-    sizes = [(name, t.dtype, tuple(whole_shape(record, t))) for _, name, t in entries]
+    """save_pretrained's files, from units gathered one at a time."""
+    holder, entries, unit_of = _layout(record, inner)
+    sizes = [(name, t.dtype, tuple(whole_shape(record, t))) for _, name, t, _ in entries]
     files, current, used = [], [], 0
     for spec in sizes:                       # transformers' split: up to limit bytes a file
         size = nbytes(spec[1], spec[2])
@@ -107,7 +130,7 @@ def _stream(record, inner, path: str, limit: int) -> None:
     files.append(current)
     names = ([_SINGLE] if len(files) == 1 else
              [f"model-{k + 1:05d}-of-{len(files):05d}.safetensors" for k in range(len(files))])
-    first = record.rank == 0
+    first = record is None or record.rank == 0
     # The first rank's failure to write must not stop it gathering: the
     # others would wait for it. It goes on without writing and raises after.
     writers, where, failure = [], {}, None
@@ -119,26 +142,31 @@ def _stream(record, inner, path: str, limit: int) -> None:
                 where.update({name: len(writers) - 1 for name, _, _ in specs})
         except Exception as caught:
             failure = caught
-    record.comm.agree("save_pretrained", {"tensors": len(entries)})
+    if record is not None:
+        record.comm.agree("save_pretrained", {"tensors": len(entries)})
     by_unit: dict = {}
-    for unit, name, t in entries:
-        by_unit.setdefault(unit, []).append((name, t))
+    for unit, name, t, merge in entries:
+        by_unit.setdefault(unit, []).append((name, t, merge))
     with torch.no_grad(), progress(sum(nbytes(*s[1:]) for s in sizes),
                                    "rlhfz save_pretrained") as bar:
         for unit in sorted(by_unit, key=lambda u: -1 if u is None else u):
-            if unit is not None:
-                record.stage3.gather_many([unit])
+            # a merge reads its adapters, which may sit in another unit
+            units = sorted(({unit} if unit is not None else set()).union(
+                *[adapter_units(m[0], unit_of) for _, _, m in by_unit[unit] if m]))
+            if record is not None and units:
+                record.stage3.gather_many(units)
             try:
-                for name, t in by_unit[unit]:
+                for name, t, merge in by_unit[unit]:
                     if first and failure is None:
                         try:
-                            writers[where[name]].write(name, t)
+                            writers[where[name]].write(
+                                name, merged(t, *merge) if merge else t)
                         except Exception as caught:
                             failure = caught
                     bar.update(nbytes(t.dtype, t.shape))
             finally:
-                if unit is not None:
-                    record.stage3.release(unit)
+                for held in units if record is not None else ():
+                    record.stage3.release(held)
     try:
         if failure is not None:
             raise failure
@@ -154,9 +182,9 @@ def _stream(record, inner, path: str, limit: int) -> None:
             with open(os.path.join(path, _INDEX), "w") as f:
                 json.dump({"metadata": {"total_size": sum(nbytes(*s[1:]) for s in sizes)},
                            "weight_map": weight_map}, f, indent=2, sort_keys=True)
-        inner.config.save_pretrained(path)
-        generation = getattr(inner, "generation_config", None)
-        if generation is not None and getattr(inner, "can_generate", lambda: False)():
+        holder.config.save_pretrained(path)
+        generation = getattr(holder, "generation_config", None)
+        if generation is not None and getattr(holder, "can_generate", lambda: False)():
             generation.save_pretrained(path)
 
 
@@ -231,6 +259,7 @@ def load_pretrained(model, path) -> None:
                 bar.update(value.numel() * value.element_size())
                 del value
         sync_buckets(touched.values())
+        mark_filled(record, [t for _, t in plan])
     finally:
         opened.clear()
 

@@ -17,6 +17,7 @@ _rlhfz_sharding); every param it holds maps back to it.
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -49,6 +50,7 @@ class ShardedModel:
         self.engine = ShardEngine(backend, comm, stage=3)
         self.stage3 = Stage3(comm, [], root=model) if comm is not None else None
         self.trained: set[int] = set()        # id of every param an optimizer holds
+        self.unfilled: set[int] = set()       # built on the meta device, no load yet
         self.optimizer = None
         for p in model.parameters():
             _OWNERS[p] = self
@@ -74,10 +76,17 @@ class ShardedModel:
         if self.stage3 is None or not params:
             return
         order, _ = assign_params(self.model, self.wrap, self.threshold, params)
-        made = [(unit, [FrozenBucket([p for p in members if p.dtype == dtype], dtype,
-                                     self.rank, self.world_size, self.backend)
-                        for dtype in DTYPE_NAMES if any(p.dtype == dtype for p in members)])
-                for unit, members in order]
+        self.make_frozen(order)
+
+    def make_frozen(self, order, shapes: dict | None = None) -> None:
+        """Frozen buckets for [(unit, params)], one per dtype; shapes
+        {id(param): shape} for params that are placeholders already."""
+        made = [(unit, [FrozenBucket(
+            [p for p in members if p.dtype == dtype], dtype, self.rank, self.world_size,
+            self.backend, shapes=None if shapes is None else
+            [shapes[id(p)] for p in members if p.dtype == dtype])
+            for dtype in DTYPE_NAMES if any(p.dtype == dtype for p in members)])
+            for unit, members in order]
         for _, buckets in made:
             for bucket in buckets:
                 bucket.attach(index=len(self.engine.buckets))
@@ -203,7 +212,8 @@ def check_sharded_model(record: ShardedModel, stage: int, process_group, wrap,
                          "model")
 
 
-def check_shardable(model: torch.nn.Module) -> torch.device:
+def check_shardable(model: torch.nn.Module) -> tuple[torch.device, bool]:
+    """(the device to shard on, whether the params are on the meta device)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"shard_model takes an nn.Module, not {type(model).__name__}")
     if hasattr(model, ATTRIBUTE):
@@ -211,10 +221,15 @@ def check_shardable(model: torch.nn.Module) -> torch.device:
                          "ZeroAdamW)")
     params = list(model.parameters())
     devices = {p.device for p in params}
-    if any(d.type == "meta" for d in devices):
-        raise NotImplementedError(
-            "shard_model does not take params on the meta device: build the model on the CPU "
-            "(or its device), then shard it")
+    meta = any(d.type == "meta" for d in devices)
+    if meta:
+        buffers = {b.device for b in model.buffers()}
+        if len(devices) > 1 or any(d.type == "meta" for d in buffers):
+            raise NotImplementedError(
+                "shard_model takes a model whose params are all on the meta device and whose "
+                "buffers are real (as accelerate.init_empty_weights() builds it): buffers such "
+                "as rotary frequencies are not in a checkpoint, so they cannot be filled later")
+        devices = buffers or {torch.device("cpu")}
     if len(devices) > 1:
         raise ValueError(f"every param must be on one device to shard, not "
                          f"{sorted(map(str, devices))}")
@@ -222,7 +237,7 @@ def check_shardable(model: torch.nn.Module) -> torch.device:
     if bad:
         raise TypeError(f"shard_model shards float32, bfloat16 and float16 params, not {bad}: "
                         f"cast the model first")
-    return next(iter(devices)) if devices else torch.device("cpu")
+    return (next(iter(devices)) if devices else torch.device("cpu")), meta
 
 
 def shard_model(model: torch.nn.Module, *, process_group=None, wrap=None,
@@ -231,7 +246,7 @@ def shard_model(model: torch.nn.Module, *, process_group=None, wrap=None,
     stage-3 layout, with or without an optimizer); returns the model. Every
     rank calls it and starts from the first rank's values. With one process
     the params stay whole."""
-    device = check_shardable(model)
+    device, meta = check_shardable(model)
     if isinstance(param_persistence_threshold, bool) or \
             not isinstance(param_persistence_threshold, int) or param_persistence_threshold < 0:
         raise ValueError(f"param_persistence_threshold must be an int >= 0, not "
@@ -239,14 +254,68 @@ def shard_model(model: torch.nn.Module, *, process_group=None, wrap=None,
     backend = backend_for(device)
     comm = communicator_for(process_group, "torch", backend)
     return shard_with(model, comm, backend, wrap, param_persistence_threshold,
-                      list(model.parameters()))
+                      list(model.parameters()), from_meta=meta)
 
 
-def shard_with(model, comm, backend, wrap, threshold: int, params: list) -> torch.nn.Module:
+def shard_with(model, comm, backend, wrap, threshold: int, params: list,
+               from_meta: bool = False) -> torch.nn.Module:
     """shard_model on a communicator already made (a stage-3 ZeroAdamW's):
-    shards `params`, the rest are left to the optimizer."""
+    shards `params`, the rest are left to the optimizer. Params on the meta
+    device get only this rank's shard (zeros, and whole small params as
+    zeros), and the model refuses to run until a load fills them."""
     record = ShardedModel(model, comm, backend, wrap, threshold)
+    if from_meta:
+        _materialize_shards(record, params)
+        model.register_forward_pre_hook(_refuse_unfilled(weakref.ref(record)))
+        return model
     if comm is not None:
         comm.start_from_first_rank(params, "shard_model")
     record.shard(params)
     return model
+
+
+def _materialize_shards(record, params: list) -> None:
+    """Params on the meta device become real ones on the backend's device:
+    whole small ones as zeros, the rest as this rank's shards (zeros) behind
+    empty placeholders. Never the whole model on any rank."""
+    device = record.backend.device
+    order = []
+    if record.stage3 is not None:
+        order, _ = assign_params(record.model, record.wrap, record.threshold, params)
+    sharded = {id(p) for _, members in order for p in members}
+    swap = {}
+    for p in params:
+        value = (torch.empty(0, dtype=p.dtype, device=device) if id(p) in sharded
+                 else torch.zeros(p.shape, dtype=p.dtype, device=device))
+        swap[id(p)] = torch.nn.Parameter(value, requires_grad=p.requires_grad)
+    shapes = {id(swap[id(p)]): tuple(p.shape) for p in params}
+    for module in record.model.modules():         # tied params: every owner takes the new one
+        for name, p in list(module.named_parameters(recurse=False)):
+            if id(p) in swap:
+                setattr(module, name, swap[id(p)])
+    for new in swap.values():
+        _OWNERS[new] = record
+    record.unfilled = {id(new) for new in swap.values()}
+    if order:
+        record.make_frozen([(unit, [swap[id(p)] for p in members]) for unit, members in order],
+                           shapes)
+
+
+def _refuse_unfilled(ref):
+    def hook(module, args):
+        record = ref()
+        if record is not None and record.unfilled:
+            raise RuntimeError(
+                f"{len(record.unfilled)} params of this model were built on the meta device "
+                f"and hold no values yet: fill them with rlhfz.load_pretrained(model, path) or "
+                f"rlhfz.load_checkpoint(path, model) before running it")
+    return hook
+
+
+def mark_filled(model_or_record, params) -> None:
+    """A load wrote these params: a model built on the meta device may run
+    once every param was written."""
+    record = (model_or_record if isinstance(model_or_record, ShardedModel)
+              else sharding_of_model(model_or_record))
+    if record is not None and record.unfilled:
+        record.unfilled -= {id(p) for p in params}

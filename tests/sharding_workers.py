@@ -162,7 +162,7 @@ def refusals(rank, world_size):
                                              + list(plain.parameters()), stage=3))
     attempt("plain", lambda: rlhfz.ZeroAdamW(plain.parameters(), stage=3))
     with torch.device("meta"):
-        meta = torch.nn.Linear(4, 4)
+        meta = torch.nn.BatchNorm1d(4)              # its running stats on meta too
     attempt("meta", lambda: rlhfz.shard_model(meta))
     attempt("resize", lambda: model.resize_token_embeddings(120))
     cast = rlhfz.shard_model(tiny_lm("llama"), param_persistence_threshold=64).half()
@@ -306,3 +306,52 @@ def state_dict_on_one_rank(rank, world_size):
         import time
         time.sleep(15)          # alive, elsewhere: rank 0 waits out the timeout
     return out
+
+
+def meta_model(rank, world_size, directory):
+    """A model built with accelerate.init_empty_weights, sharded: each rank
+    allocates only its shards; it refuses to run until load_pretrained
+    fills it, then matches the real model."""
+    import transformers
+    from accelerate import init_empty_weights
+    real = tiny_lm("llama", seed=11)
+    if rank == 0:
+        real.save_pretrained(directory)
+    torch.distributed.barrier()
+    with init_empty_weights():
+        empty = transformers.LlamaForCausalLM(real.config)
+    empty.tie_weights()            # as from_pretrained does
+    model = rlhfz.shard_model(empty, param_persistence_threshold=0)
+    record = model._rlhfz_sharding
+    out = {"held": sum(b.storage.buffers["param"].nbytes for b in record.engine.buckets),
+           "total": sum(p.numel() * p.element_size() for p in real.parameters())}
+    ids = torch.tensor([[5, 17, 23, 42, 8, 9]])
+    try:
+        model(ids)
+        out["refused"] = "no error"
+    except RuntimeError as error:
+        out["refused"] = str(error)
+    rlhfz.load_pretrained(model, directory)
+    with torch.no_grad():
+        out["logits_equal"] = torch.equal(model(ids).logits, real(ids).logits)
+    return out
+
+
+def lora_model():
+    from peft import LoraConfig, get_peft_model
+    return get_peft_model(tiny_lm("gpt2"), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                      target_modules=["c_attn", "c_fc"],
+                                                      fan_in_fan_out=True))
+
+
+def lora_saved(rank, world_size, directory, steps):
+    """LoRA at stage 3 trained a little, then saved merged and adapters only."""
+    model = lora_model()
+    opt = rlhfz.ZeroAdamW(model, stage=3, lr=1e-2, param_persistence_threshold=64)
+    for ids in batches(steps):
+        opt.zero_grad()
+        lm_loss(model, ids[rank::world_size]).backward()
+        opt.step()
+    rlhfz.save_pretrained(model, os.path.join(directory, "merged"), max_shard_size="200KB")
+    rlhfz.save_pretrained(model, os.path.join(directory, "adapters"), adapters="only")
+    return rlhfz.full_state_dict(model)

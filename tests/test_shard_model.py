@@ -97,7 +97,7 @@ def test_a_sharded_model_refuses_what_would_train_or_shard_it_wrong():
     assert "frozen" in result["frozen"] and "(97, 32)" in result["frozen"]
     assert "more than one model" in result["mixed"]
     assert "shard_model" in result["plain"]
-    assert "meta device" in result["meta"]
+    assert "meta device" in result["meta"] and "buffers are real" in result["meta"]
     assert "resize the model before shard_model" in result["resize"]
     assert "cast or move the model before shard_model" in result["cast"]
     assert result["late_state"] is True
@@ -224,3 +224,57 @@ def test_a_state_dict_asked_of_one_rank_alone_fails_fast_saying_what_to_call():
     assert "rlhfz.full_state_dict" in result["error"]
     assert "RLHFZ_STATE_DICT_TIMEOUT" in result["error"]
     assert result["seconds"] < 30
+
+
+def test_a_model_built_on_the_meta_device_is_sharded_then_filled(tmp_path):
+    pytest.importorskip("accelerate")
+    for r in run_ranks(workers.meta_model, 2, str(tmp_path)):
+        assert r["held"] <= r["total"] / 2 + 64 * 64          # only this rank's shards
+        assert "meta device" in r["refused"] and "load_pretrained" in r["refused"]
+        assert r["logits_equal"] is True
+
+
+def test_lora_saves_merged_and_adapters_only_as_peft_and_transformers_load_them(tmp_path):
+    pytest.importorskip("peft")
+    import transformers
+    from peft import PeftModel
+    steps = 3
+    full = run_ranks(workers.lora_saved, 2, str(tmp_path), steps)[0]
+    # the same training in one process, merged by PEFT itself
+    twin = workers.lora_model()
+    twin.load_state_dict(full)
+    with torch.no_grad():
+        ids = torch.tensor([[5, 17, 23, 42, 8, 9]])
+        expected = twin(ids).logits
+        reference = twin.merge_and_unload().state_dict()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    for name, value in merged.state_dict().items():
+        assert torch.equal(value, reference[name]), name
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, expected, rtol=1e-5, atol=1e-6)
+    assert (tmp_path / "adapters" / "adapter_config.json").exists()
+    base = stage3_workers.tiny_lm("gpt2")
+    loaded = PeftModel.from_pretrained(base, tmp_path / "adapters")
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, expected)
+
+
+def test_lora_in_one_process_saves_merged_without_changing_the_model(tmp_path):
+    pytest.importorskip("peft")
+    import transformers
+    model = workers.lora_model()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_()                      # a delta that changes the weights
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rlhfz.save_pretrained(model, tmp_path)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    reference = model.merge_and_unload().state_dict()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    for name, value in merged.state_dict().items():
+        assert torch.equal(value, reference[name]), name
+    with pytest.raises(ValueError, match="max_shard_size"):
+        rlhfz.save_pretrained(model, tmp_path, max_shard_size="lots")
+    with pytest.raises(TypeError, match="transformers or PEFT model"):
+        rlhfz.save_pretrained(torch.nn.Linear(2, 2), tmp_path)

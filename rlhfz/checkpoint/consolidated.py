@@ -14,7 +14,7 @@ import secrets
 import torch
 
 from ..generation import iter_full_params, refuse_while_gathered, stage3_of, unwrap_model
-from ..sharding import sharding_of_model
+from ..sharding import mark_filled, sharding_of_model
 from .format import create_private
 from .validation import CheckpointError, all_ok
 
@@ -134,6 +134,7 @@ def load_consolidated(path, model, optimizer=None) -> None:
                 owner[0].write_param(owner[1], state[name])
         for bucket in _buckets(optimizer, model):
             bucket.sync_master()
+    mark_filled(inner, list(inner.parameters()))
     if optimizer_state is not None:
         optimizer.load_state_dict(optimizer_state)
 

@@ -26,7 +26,7 @@ from ..engine import shard_owner
 from ..generation import unwrap_model
 from ..model_state import full_state_dict, write_whole
 from ..progress import progress
-from ..sharding import sharding_of_model
+from ..sharding import mark_filled, sharding_of_model
 from .format import CorruptFileError, TensorFileWriter, fsync_dir
 from .generations import commit_generation, discard_generation
 from .validation import (FORMAT, CheckpointError, check_entries, file_name, open_files,
@@ -233,4 +233,5 @@ def load_model(path, model):
             tf.close()
     if staged:
         write_whole(record, staged)
+    mark_filled(module, list(module.parameters()))
     return index.get("client_state")

@@ -24,6 +24,7 @@ import torch
 from ..generation import refuse_while_gathered, unwrap_model
 from ..engine import shard_owner
 from ..progress import progress
+from ..sharding import mark_filled
 from ..state_dict_hooks import gathered_values
 from ..state_dict import packed_groups
 from .consolidated import MODEL_FILE, load_consolidated
@@ -409,3 +410,5 @@ def _apply(index, plan, files, model, optimizer) -> None:
                 if key not in ("params", "param_names"):
                     group[key] = tuple(value) if isinstance(value, list) else value
     optimizer.engine.grads_changed()
+    if model is not None:
+        mark_filled(unwrap_model(model), list(unwrap_model(model).parameters()))

@@ -18,7 +18,9 @@ from .storage import FlatStorage
 
 class FrozenBucket(Bucket):
     def __init__(self, params: list[torch.Tensor], dtype: torch.dtype, rank: int,
-                 world_size: int, backend=None, host_alloc=None):
+                 world_size: int, backend=None, host_alloc=None, shapes=None):
+        """shapes: the params' shapes, where they are placeholders already
+        (a model built on the meta device); attach() then keeps zeros."""
         # not Bucket.__init__: that allocates grads and optimizer state
         self.params = params
         self.group_index = None
@@ -26,7 +28,9 @@ class FrozenBucket(Bucket):
         self.dtype = dtype
         self.dtype_name = DTYPE_NAMES[dtype]
         self.itemsize = torch.empty((), dtype=dtype).element_size()
-        self.layout = plan_bucket([tuple(p.shape) for p in params], self.itemsize, world_size)
+        self.has_values = shapes is None
+        self.layout = plan_bucket(shapes if shapes is not None else
+                                  [tuple(p.shape) for p in params], self.itemsize, world_size)
         self.shard = ShardLayout.of(self.layout, rank)
         self.world_size = world_size
         self.backend = backend or HostBackend()
@@ -66,11 +70,14 @@ class FrozenBucket(Bucket):
 
     def attach(self, grad_hook=None, index: int = 0) -> None:
         """Keeps this rank's part of each param; the param becomes an empty
-        placeholder until gather()."""
+        placeholder until gather(). Params without values (built on the
+        meta device) leave their shards zero until a load fills them."""
         self.index = index
         with torch.no_grad():
             for i, p in enumerate(self.params):
-                self.param_shard_part(i).copy_(self.shard.part_of(i, p.detach().reshape(-1)))
+                if self.has_values:
+                    self.param_shard_part(i).copy_(
+                        self.shard.part_of(i, p.detach().reshape(-1)))
                 p.data = self.placeholder()
 
     def sync_master(self) -> None:
