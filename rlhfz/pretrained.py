@@ -17,7 +17,7 @@ import torch
 
 from .checkpoint.safetensors_out import SafetensorsWriter, nbytes
 from .lora_export import adapter_units, base_name, is_peft, merge_plan, merged
-from .model_state import sync_buckets, unwrapped, whole_shape, write_whole
+from .model_state import sync_buckets, unwrapped, whole_shape
 from .progress import progress
 from .sharding import mark_filled
 from .state_dict_hooks import gathered_values
@@ -210,7 +210,8 @@ def load_pretrained(model, path) -> None:
     """Loads a Hugging Face safetensors checkpoint into the model in place
     (not a collective). Every param and buffer is matched by name, shape and
     dtype before anything is written; a tied param may be saved under one
-    of its names only. A sharded param keeps its rank's part."""
+    of its names only. A sharded param reads only the rows that hold its
+    rank's part."""
     from safetensors import safe_open
     path = os.fspath(path)
     record, inner = unwrapped(model)
@@ -247,21 +248,39 @@ def load_pretrained(model, path) -> None:
                 + ("; " if missing and wrong else "")
                 + (f"different {wrong[:3]}{' ...' if len(wrong) > 3 else ''}" if wrong else ""))
         touched = {}
+        slots = record.sharded_slots() if record is not None else {}
         total = sum(math.prod(whole_shape(record, t)) * t.element_size() for _, t in plan)
-        with progress(total, "rlhfz load_pretrained") as bar:
-            for name, t in plan:             # one whole tensor in memory at a time
-                value = opened[files[name]].get_tensor(name)
-                if record is not None:
-                    touched.update(write_whole(record, {id(t): value}, sync=False))
+        with torch.no_grad(), progress(total, "rlhfz load_pretrained") as bar:
+            for name, t in plan:
+                source = opened[files[name]]
+                if id(t) in slots:           # the rows that hold this rank's part, no more
+                    bucket, i = slots[id(t)]
+                    bucket.param_shard_part(i).copy_(_local_part(source, name, bucket, i))
+                    touched[id(bucket)] = bucket
                 else:
-                    with torch.no_grad():
-                        t.detach().copy_(value)
-                bar.update(value.numel() * value.element_size())
-                del value
+                    t.detach().copy_(source.get_tensor(name))
+                bar.update(math.prod(whole_shape(record, t)) * t.element_size())
         sync_buckets(touched.values())
         mark_filled(record, [t for _, t in plan])
     finally:
         opened.clear()
+
+
+def _local_part(source, name: str, bucket, index: int) -> torch.Tensor:
+    """This rank's elements of a saved tensor, flat, read as the few whole
+    rows (first-dimension slices) that cover them."""
+    shape = bucket.layout.slots[index].shape
+    a, b = bucket.shard.local[index]
+    offset = bucket.layout.slots[index].offset - bucket.shard.start
+    lo, hi = a - offset, b - offset              # the part, in the param's own elements
+    if hi <= lo:
+        return torch.empty(0, dtype=bucket.dtype)
+    if len(shape) == 0:
+        return source.get_tensor(name).reshape(-1)[lo:hi]
+    row = math.prod(shape[1:])
+    first, last = lo // row, -(-hi // row)
+    rows = source.get_slice(name)[first:last]
+    return rows.reshape(-1)[lo - first * row:hi - first * row]
 
 
 def _dtype_name(safetensors_dtype: str) -> str:
