@@ -29,15 +29,14 @@ import torch
 _ATTRIBUTE = "_rlhfz_stage3"
 
 
-def unwrap_model(model):
-    """The module under DDP / accelerate wrappers (their .module)."""
+def unwrap_model(model, attribute: str = _ATTRIBUTE):
+    """The module under DDP / accelerate wrappers (their .module), stopping
+    at one that carries `attribute` (rlhfz's record on the model)."""
     seen = 0
-    while not hasattr(model, _ATTRIBUTE) and hasattr(model, "module") and seen < 8:
+    while not hasattr(model, attribute) and hasattr(model, "module") and seen < 8:
         model = model.module
         seen += 1
     return model
-
-
 
 
 def stage3_of(model):

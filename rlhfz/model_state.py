@@ -1,10 +1,11 @@
 """Whole tensors of a sharded model: its state dict gathered unit by unit,
-and whole values written back into its shards."""
+its params' whole shapes, and the master weights following a load."""
 from __future__ import annotations
 
 import torch
 
-from .sharding import mark_filled, sharding_of_model
+from .generation import unwrap_model
+from .sharding import sharding_of_model
 from .state_dict_hooks import gathered_values
 
 
@@ -14,16 +15,14 @@ def full_state_dict(model, *, rank0_only: bool = True) -> dict[str, torch.Tensor
     at a time; with rank0_only the other ranks keep nothing and get {}."""
     record, inner = unwrapped(model)
     state = inner.state_dict(keep_vars=True)
-    if record is None or record.stage3 is None:
-        copies: dict[int, torch.Tensor] = {}
-        return {name: copies.setdefault(id(t), t.detach().to("cpu", copy=True))
-                for name, t in state.items()}
-    slots = record.sharded_slots()
-    keep = not rank0_only or record.rank == 0
-    values = gathered_values(record, {id(t) for t in state.values() if id(t) in slots}, keep,
-                             "full_state_dict")
-    if not keep:
-        return {}
+    values: dict[int, torch.Tensor] = {}
+    if record is not None and record.stage3 is not None:
+        slots = record.sharded_slots()
+        keep = not rank0_only or record.rank == 0
+        values = gathered_values(record, {id(t) for t in state.values() if id(t) in slots},
+                                 keep, "full_state_dict")
+        if not keep:
+            return {}
     out = {}
     for name, t in state.items():
         if id(t) not in values:
@@ -32,38 +31,14 @@ def full_state_dict(model, *, rank0_only: bool = True) -> dict[str, torch.Tensor
     return out
 
 
-def whole_shape(record, p: torch.Tensor) -> tuple:
-    """A param's shape, also while it is a placeholder."""
-    slot = record.sharded_slots().get(id(p)) if record is not None else None
+def whole_shape(slots: dict, p: torch.Tensor) -> tuple:
+    """A param's shape, also while it is a placeholder (slots: a record's
+    sharded_slots(), taken once by the caller)."""
+    slot = slots.get(id(p))
     if slot is None:
         return tuple(p.shape)
     bucket, index = slot
     return bucket.layout.slots[index].shape
-
-
-def write_whole(record, values: dict[int, torch.Tensor], sync: bool = True) -> dict:
-    """Sets params from whole tensors, {id(param): value}: a sharded param
-    keeps its rank's part, a whole one takes it all. Not a collective.
-    The buckets written to follow (an optimizer's master weights) with
-    sync, else sync_buckets(returned values) does it once for many writes."""
-    slots = record.sharded_slots() if record is not None else {}
-    touched = {}
-    with torch.no_grad():
-        for p in record.model.parameters() if record is not None else ():
-            value = values.get(id(p))
-            if value is None:
-                continue
-            if id(p) in slots:
-                bucket, index = slots[id(p)]
-                bucket.write_param(index, value.to(bucket.flat_param_shard.device))
-                touched[id(bucket)] = bucket
-            else:
-                p.detach().copy_(value)
-    mark_filled(record, [p for p in record.model.parameters() if id(p) in values]
-                if record is not None else [])
-    if sync:
-        sync_buckets(touched.values())
-    return touched
 
 
 def sync_buckets(buckets) -> None:
@@ -77,10 +52,4 @@ def sync_buckets(buckets) -> None:
 def unwrapped(model):
     """(its ShardedModel or None, the module under DDP / accelerate wrappers)."""
     record = sharding_of_model(model)
-    if record is not None:
-        return record, record.model
-    seen = 0
-    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module) and seen < 8:
-        model = model.module
-        seen += 1
-    return None, model
+    return (record, record.model) if record is not None else (None, unwrap_model(model))

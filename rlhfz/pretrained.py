@@ -16,6 +16,7 @@ import os
 import torch
 
 from .checkpoint.safetensors_out import SafetensorsWriter, nbytes
+from .engine import split_by_bytes
 from .lora_export import adapter_units, base_name, is_peft, merge_plan, merged
 from .model_state import sync_buckets, unwrapped, whole_shape
 from .progress import progress
@@ -118,16 +119,10 @@ def _layout(record, inner):
 def _stream(record, inner, path: str, limit: int) -> None:
     """save_pretrained's files, from units gathered one at a time."""
     holder, entries, unit_of = _layout(record, inner)
-    sizes = [(name, t.dtype, tuple(whole_shape(record, t))) for _, name, t, _ in entries]
-    files, current, used = [], [], 0
-    for spec in sizes:                       # transformers' split: up to limit bytes a file
-        size = nbytes(spec[1], spec[2])
-        if current and used + size > limit:
-            files.append(current)
-            current, used = [], 0
-        current.append(spec)
-        used += size
-    files.append(current)
+    slots = record.sharded_slots() if record is not None else {}
+    sizes = [(name, t.dtype, tuple(whole_shape(slots, t))) for _, name, t, _ in entries]
+    # transformers' split: files of up to limit bytes, in the order written
+    files = split_by_bytes(sizes, lambda spec: nbytes(spec[1], spec[2]), limit)
     names = ([_SINGLE] if len(files) == 1 else
              [f"model-{k + 1:05d}-of-{len(files):05d}.safetensors" for k in range(len(files))])
     first = record is None or record.rank == 0
@@ -220,25 +215,25 @@ def load_pretrained(model, path) -> None:
     for name, t in inner.state_dict(keep_vars=True).items():
         seen.setdefault(id(t), []).append(name)
         wanted[name] = t
+    slots = record.sharded_slots() if record is not None else {}
     plan, missing, wrong = [], [], []
-    for ident, names in seen.items():
+    for names in seen.values():
         present = [n for n in names if n in files]
         if not present:
             missing.append(names[0])
             continue
         t = wanted[present[0]]
-        plan.append((present[0], t))
+        plan.append((present[0], t, tuple(whole_shape(slots, t))))
     opened = {}
     try:
-        for name, t in plan:
+        for name, t, here in plan:
             file = files[name]
             if file not in opened:
                 opened[file] = safe_open(file, framework="pt")
             sliced = opened[file].get_slice(name)
             shape = tuple(sliced.get_shape())
             dtype = sliced.get_dtype()
-            here = whole_shape(record, t)
-            if shape != tuple(here) or _dtype_name(dtype) != str(t.dtype).split(".")[-1]:
+            if shape != here or _dtype_name(dtype) != str(t.dtype).split(".")[-1]:
                 wrong.append(f"{name}: {dtype}{list(shape)} saved, {t.dtype}{list(here)} here")
         if missing or wrong:
             raise ValueError(
@@ -248,10 +243,9 @@ def load_pretrained(model, path) -> None:
                 + ("; " if missing and wrong else "")
                 + (f"different {wrong[:3]}{' ...' if len(wrong) > 3 else ''}" if wrong else ""))
         touched = {}
-        slots = record.sharded_slots() if record is not None else {}
-        total = sum(math.prod(whole_shape(record, t)) * t.element_size() for _, t in plan)
+        total = sum(math.prod(shape) * t.element_size() for _, t, shape in plan)
         with torch.no_grad(), progress(total, "rlhfz load_pretrained") as bar:
-            for name, t in plan:
+            for name, t, shape in plan:
                 source = opened[files[name]]
                 if id(t) in slots:           # the rows that hold this rank's part, no more
                     bucket, i = slots[id(t)]
@@ -259,9 +253,9 @@ def load_pretrained(model, path) -> None:
                     touched[id(bucket)] = bucket
                 else:
                     t.detach().copy_(source.get_tensor(name))
-                bar.update(math.prod(whole_shape(record, t)) * t.element_size())
+                bar.update(math.prod(shape) * t.element_size())
         sync_buckets(touched.values())
-        mark_filled(record, [t for _, t in plan])
+        mark_filled(record, [t for _, t, _ in plan])
     finally:
         opened.clear()
 

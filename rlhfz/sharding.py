@@ -25,6 +25,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .comm import communicator_for
 from .comm.control import ControlPlane
 from .engine import DTYPE_NAMES, FrozenBucket, ShardEngine, backend_for
+from .generation import unwrap_model
 from .stage3 import Stage3, assign_params
 from .state_dict_hooks import install_hooks
 
@@ -166,11 +167,7 @@ def state_dict_timeout() -> float:
 def sharding_of_model(model) -> ShardedModel | None:
     """The record of a model sharded by shard_model or a stage-3 ZeroAdamW
     (under DDP / accelerate wrappers too), or None."""
-    seen = 0
-    while not hasattr(model, ATTRIBUTE) and hasattr(model, "module") and seen < 8:
-        model = model.module
-        seen += 1
-    return getattr(model, ATTRIBUTE, None)
+    return getattr(unwrap_model(model, ATTRIBUTE), ATTRIBUTE, None)
 
 
 def sharding_of(params: list) -> ShardedModel | None:

@@ -39,20 +39,31 @@ def reference_training(groups, steps, clip=True):
     return losses, model.state_dict()
 
 
-def two_groups(rank, world_size, steps):
-    """shard_model, then ZeroAdamW over HF's two groups at stage 3."""
-    model = rlhfz.shard_model(tiny_lm("gpt2"), param_persistence_threshold=64)
-    opt = rlhfz.ZeroAdamW(hf_groups(model), stage=3, lr=1e-3)
+def train(model, opt, rank, world_size, steps, clip=True, after_backward=None):
+    """Steps on this rank's rows of each global batch; the mean loss over
+    all ranks at each step."""
     losses = []
     for ids in batches(steps):
         opt.zero_grad()
         loss = lm_loss(model, ids[rank::world_size])
         loss.backward()
-        opt.clip_grad_norm_(1.0)
+        if after_backward is not None:
+            after_backward()
+        if clip:
+            opt.clip_grad_norm_(1.0)
         opt.step()
         total = loss.detach().clone()
-        torch.distributed.all_reduce(total)
+        if world_size > 1:
+            torch.distributed.all_reduce(total)
         losses.append(total.item() / world_size)
+    return losses
+
+
+def two_groups(rank, world_size, steps):
+    """shard_model, then ZeroAdamW over HF's two groups at stage 3."""
+    model = rlhfz.shard_model(tiny_lm("gpt2"), param_persistence_threshold=64)
+    opt = rlhfz.ZeroAdamW(hf_groups(model), stage=3, lr=1e-3)
+    losses = train(model, opt, rank, world_size, steps)
     units = len(opt.stage3.units)
     gathers_per_unit = max(len(buckets) for _, buckets in opt.stage3.units)
     full = rlhfz.full_state_dict(model)
@@ -122,16 +133,9 @@ def lora(rank, world_size, steps):
     record = model._rlhfz_sharding
     frozen_held = sum(b.storage.buffers["param"].nbytes for b in record.engine.buckets)
     report = opt.memory_report()
-    losses, gathered_after_backward = [], []
-    for ids in batches(steps):
-        opt.zero_grad()
-        loss = lm_loss(model, ids[rank::world_size])
-        loss.backward()
-        gathered_after_backward.append(record.stage3.gathered_bytes())
-        opt.step()
-        total = loss.detach().clone()
-        torch.distributed.all_reduce(total)
-        losses.append(total.item() / world_size)
+    gathered_after_backward = []
+    losses = train(model, opt, rank, world_size, steps, clip=False, after_backward=lambda:
+                   gathered_after_backward.append(record.stage3.gathered_bytes()))
     adapters = {name: t.clone() for name, t in rlhfz.iter_full_params(model) if "lora_" in name}
     return {"losses": losses, "adapters": adapters, "trainable": trainable,
             "state_bytes": sum(report["exp_avg"].values()) + sum(report["exp_avg_sq"].values()),
@@ -258,18 +262,7 @@ def compiled_training(rank, world_size, stage, steps, backend):
     params at the end."""
     model = tiny_lm("gpt2")
     opt = rlhfz.ZeroAdamW(model, stage=stage, lr=1e-3, param_persistence_threshold=64)
-    compiled = torch.compile(model, backend=backend)
-    losses = []
-    for ids in batches(steps):
-        opt.zero_grad()
-        loss = lm_loss(compiled, ids[rank::world_size])
-        loss.backward()
-        opt.clip_grad_norm_(1.0)
-        opt.step()
-        total = loss.detach().clone()
-        if world_size > 1:
-            torch.distributed.all_reduce(total)
-        losses.append(total.item() / world_size)
+    losses = train(torch.compile(model, backend=backend), opt, rank, world_size, steps)
     return {"losses": losses, "full": rlhfz.full_state_dict(model)}
 
 

@@ -24,7 +24,7 @@ import torch
 
 from ..engine import shard_owner
 from ..generation import unwrap_model
-from ..model_state import full_state_dict, write_whole
+from ..model_state import full_state_dict, sync_buckets, whole_shape
 from ..progress import progress
 from ..sharding import mark_filled, sharding_of_model
 from .format import CorruptFileError, TensorFileWriter, fsync_dir
@@ -207,31 +207,41 @@ def load_model(path, model):
     path = os.fspath(path)
     index = read_index(path)
     tensors = _tensors(module)
-    # a sharded param is read whole into a staging tensor, then keeps its shard
+    # A sharded param stands in as a meta tensor of its whole shape while
+    # everything is checked, then is read whole, one at a time, and keeps
+    # its rank's part.
     record = sharding_of_model(module)
     slots = record.sharded_slots() if record is not None else {}
-    staged = {}
+    sharded = {}
     for name, t in tensors.items():
         if id(t) in slots:
-            bucket, i = slots[id(t)]
-            staged[id(t)] = tensors[name] = torch.empty(bucket.layout.slots[i].shape,
-                                                        dtype=bucket.dtype)
+            sharded[name] = slots[id(t)]
+            tensors[name] = torch.empty(whole_shape(slots, t), dtype=t.dtype, device="meta")
     for name, t in tensors.items():
         if not t.detach().is_contiguous():
             raise CheckpointError(f"{name} is not contiguous in this model: loading writes "
                                   f"into the tensor itself")
     copies = plan_copies(path, index, tensors)
     files = open_checked(path, index, copies)
+    touched = {}
     try:
         total = sum(dest.numel() * dest.element_size() for _, _, _, dest in copies)
         with torch.no_grad(), progress(total, "rlhfz load") as bar:
             for rank, name, offset, dest in copies:
-                files[rank].read_into(name, offset, dest)
-                bar.update(dest.numel() * dest.element_size())
+                if not dest.is_meta:
+                    files[rank].read_into(name, offset, dest)
+                    bar.update(dest.numel() * dest.element_size())
+            for name, (bucket, i) in sharded.items():
+                whole = torch.empty(tensors[name].shape, dtype=bucket.dtype)
+                for rank, entry, offset, dest in plan_copies(path, index, {name: whole}):
+                    files[rank].read_into(entry, offset, dest)
+                bucket.write_param(i, whole)
+                touched[id(bucket)] = bucket
+                bar.update(whole.numel() * whole.element_size())
+                del whole
     finally:
         for tf in files.values():
             tf.close()
-    if staged:
-        write_whole(record, staged)
+    sync_buckets(touched.values())
     mark_filled(module, list(module.parameters()))
     return index.get("client_state")

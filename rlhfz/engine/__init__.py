@@ -18,7 +18,7 @@ from .engine import BucketPlan, ShardEngine
 from .frozen_bucket import FrozenBucket
 from .host_memory import PinnedPool, host_buffer, pin_budget, release_pinned
 from .layout import (ALIGN_BYTES, BucketLayout, ShardLayout, Slot, plan_bucket, rank_range,
-                     shard_owner, shard_size, stage2_bucket_bytes)
+                     shard_owner, shard_size, split_by_bytes, stage2_bucket_bytes)
 from .state import STATE_NAMES, ShardState
 from .storage import REGIONS, FlatStorage
 
@@ -26,4 +26,5 @@ __all__ = ["ALIGN_BYTES", "Bucket", "BucketLayout", "BucketPlan", "CudaBackend",
            "FlatStorage", "FrozenBucket", "HostBackend", "PinnedPool", "REGIONS", "STATE_NAMES",
            "ShardEngine", "ShardLayout", "ShardState", "SimulatedCudaBackend", "Slot",
            "backend_for", "host_buffer", "pin_budget", "plan_bucket", "rank_range",
-           "release_pinned", "shard_owner", "shard_size", "stage2_bucket_bytes", "torch_view"]
+           "release_pinned", "shard_owner", "shard_size", "split_by_bytes",
+           "stage2_bucket_bytes", "torch_view"]

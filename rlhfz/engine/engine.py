@@ -17,7 +17,7 @@ import torch
 
 from .backends import DTYPE_NAMES, HostBackend
 from .bucket import Bucket
-from .layout import stage2_bucket_bytes
+from .layout import split_by_bytes, stage2_bucket_bytes
 
 
 @dataclass
@@ -101,16 +101,7 @@ class ShardEngine:
         if self.reducer is None or not members:
             return [members] if members else []
         cap = stage2_bucket_bytes(sum(p.numel() * p.element_size() for p in members))
-        chunks, current, size = [], [], 0
-        for p in members:
-            nbytes = p.numel() * p.element_size()
-            if current and size + nbytes > cap:
-                chunks.append(current)
-                current, size = [], 0
-            current.append(p)
-            size += nbytes
-        chunks.append(current)
-        return chunks
+        return split_by_bytes(members, lambda p: p.numel() * p.element_size(), cap)
 
     def attach(self, buckets: list[Bucket]) -> None:
         """Makes the buckets' params views of their memory, and the engine's."""

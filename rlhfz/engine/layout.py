@@ -27,6 +27,21 @@ def stage2_bucket_bytes(group_bytes: int) -> int:
     return min(32 << 20, max(group_bytes // 8, 64 << 10))
 
 
+def split_by_bytes(items: list, size_of, cap: int) -> list[list]:
+    """Items in order, cut into runs of at most cap bytes each (an item
+    larger than cap is a run of its own); at least one run."""
+    runs, current, size = [], [], 0
+    for item in items:
+        nbytes = size_of(item)
+        if current and size + nbytes > cap:
+            runs.append(current)
+            current, size = [], 0
+        current.append(item)
+        size += nbytes
+    runs.append(current)
+    return runs
+
+
 @dataclass(frozen=True)
 class Slot:
     """One parameter's place in its bucket."""
