@@ -7,6 +7,7 @@
  */
 #include "rlhfz_module.h"
 
+#include <pthread.h>
 #include <stdlib.h>
 #include <structmember.h>
 #include <string.h>
@@ -24,6 +25,7 @@ rlhfz_Buffer *rlhfz_buffer_alloc(rlhfz_state *state, size_t nbytes, size_t align
  * lines, so SIMD loops may read a tail safely. */
 static rlhfz_Buffer *new_buffer(rlhfz_state *state, size_t nbytes, size_t *padded)
 {
+    rlhfz_finish_deferred_releases();   /* memory that is free, before asking for more */
     *padded = nbytes == 0 ? 64 : (nbytes + 63) / 64 * 64;
     if (*padded < nbytes)
         return (rlhfz_Buffer *)PyErr_NoMemory();
@@ -471,19 +473,66 @@ static int interpreter_finalizing(void)
 #endif
 }
 
+/* Releases that came from threads without the GIL, for a thread with it to
+ * finish: one node per release, since a buffer may have many exports. */
+typedef struct deferred_release {
+    rlhfz_Buffer *buffer;
+    struct deferred_release *next;
+} deferred_release;
+
+static pthread_mutex_t deferred_lock = PTHREAD_MUTEX_INITIALIZER;
+static deferred_release *deferred_head;
+static int deferred_scheduled;
+
+/* With the GIL: drops the references that the released exports held. */
+void rlhfz_finish_deferred_releases(void)
+{
+    pthread_mutex_lock(&deferred_lock);
+    deferred_release *node = deferred_head;
+    deferred_head = NULL;
+    deferred_scheduled = 0;
+    pthread_mutex_unlock(&deferred_lock);
+    while (node != NULL) {
+        deferred_release *next = node->next;
+        Py_DECREF(node->buffer);
+        free(node);
+        node = next;
+    }
+}
+
+static int finish_deferred(void *unused)
+{
+    rlhfz_finish_deferred_releases();
+    return 0;
+}
+
 /* Consumers may free a tensor from any thread, with or without the GIL, and
- * even after the interpreter is gone; then the reference is left alone. So it
- * is while the interpreter shuts down, for a thread without the GIL (a gloo
- * worker finishing a collective): asking for the GIL then ends the thread by
- * pthread_exit, which aborts a C++ thread, and with it the process. */
+ * even after the interpreter is gone. The count drops at once. A thread
+ * without the GIL never waits for it: while the interpreter shuts down, a
+ * thread that gets the GIL is ended by pthread_exit, which aborts a C++
+ * thread (a gloo worker finishing a collective), and with it the process.
+ * Its reference goes when Python next runs (a pending call), or at the next
+ * allocation; at exit, with the interpreter, never. */
 static void release_export(rlhfz_Buffer *buffer)
 {
-    if (!Py_IsInitialized() || (interpreter_finalizing() && !PyGILState_Check()))
-        return;
-    PyGILState_STATE gil = PyGILState_Ensure();
     buffer->exports--;
-    Py_DECREF(buffer);
-    PyGILState_Release(gil);
+    if (!Py_IsInitialized())
+        return;
+    if (PyGILState_Check()) {
+        Py_DECREF(buffer);
+        return;
+    }
+    deferred_release *node = malloc(sizeof(*node));
+    if (node == NULL)
+        return;     /* the buffer outlives its use, rather than crash */
+    node->buffer = buffer;
+    pthread_mutex_lock(&deferred_lock);
+    node->next = deferred_head;
+    deferred_head = node;
+    int schedule = !deferred_scheduled && !interpreter_finalizing();
+    if (schedule)
+        deferred_scheduled = Py_AddPendingCall(finish_deferred, NULL) == 0;
+    pthread_mutex_unlock(&deferred_lock);
 }
 
 static void versioned_deleter(DLManagedTensorVersioned *managed)

@@ -41,7 +41,9 @@ typedef struct {
     size_t alignment;
     rlhfz_tier tier;
     int device;                  /* CUDA ordinal of device memory, else -1 */
-    Py_ssize_t exports;          /* DLPack exports not yet released by their consumers */
+    /* DLPack exports not yet released by their consumers; atomic, since a
+     * consumer may release from any thread, with or without the GIL */
+    _Atomic Py_ssize_t exports;
     /* tier external: the imported managed tensor, released on dealloc */
     void *external;
     int external_versioned;
@@ -85,6 +87,8 @@ rlhfz_Buffer *rlhfz_buffer_alloc(rlhfz_state *state, size_t nbytes, size_t align
 rlhfz_Buffer *rlhfz_buffer_alloc_in(rlhfz_state *state, rlhfz_tier tier, int device,
                                     size_t nbytes, size_t alignment, int zero);
 rlhfz_Buffer *rlhfz_buffer_alloc_disk(rlhfz_state *state, const char *dir, size_t nbytes);
+/* Finishes releases that DLPack consumers made without the GIL (needs it). */
+void rlhfz_finish_deferred_releases(void);
 
 /* disk_tier.c: a file of nbytes in dir, mapped shared (zeros until written).
  * Each returns 0, or -1 with an OSError naming the file and the cause. */

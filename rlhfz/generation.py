@@ -72,9 +72,10 @@ def gather_for_generation(model, enabled: bool = True, budget_bytes: int | None 
     stage3.comm.agree("gather_for_generation",
                       {"mode": "full" if full else "budget" if budget_bytes is not None
                        else "unit by unit", "budget_bytes": budget_bytes})
-    saved_keep = set(stage3.keep)
+    saved_keep, saved_limit = set(stage3.keep), stage3.limit
     held = []
     try:
+        stage3.limit = None if full else stage3.limits(budget_bytes)
         if full:
             stage3.hold_all()
             held.append(True)
@@ -85,7 +86,7 @@ def gather_for_generation(model, enabled: bool = True, budget_bytes: int | None 
     finally:
         if held:
             stage3.unhold_all()
-        stage3.keep = saved_keep
+        stage3.keep, stage3.limit = saved_keep, saved_limit
         stage3.release_all()
 
 

@@ -13,8 +13,13 @@ Which params go where:
 - a param below param_persistence_threshold elements stays whole on every
   rank (it rides in an ordinary stage-2 bucket);
 - a param owned by modules of one unit belongs to it; one shared across
-  units (tied embeddings) belongs to the root unit, the model itself, which
-  stays gathered for the whole forward.
+  units (tied embeddings) belongs to the root unit, the model itself.
+
+A unit that a forward uses more than once (the root: embedding, final norm
+and a tied head) is gathered at its first use. Under no_grad (generation, a
+reference model) it then stays whole until the forward ends, so each token
+gathers it once; with grads it is released after each use, since autograd
+gathers it again anyway.
 """
 from __future__ import annotations
 
@@ -119,6 +124,10 @@ class Stage3:
         self.suspended = 0                    # gather_for_generation(enabled=True) holds all
         self.keep: set[int] = set()           # units a budget keeps gathered
         self.prefetching = True
+        # Gathered bytes that holding a unit or gathering ahead may not
+        # exceed (gather_for_generation sets it); None: no limit.
+        self.limit: int | None = None
+        self.running = False                  # inside the root's forward
         self.peak_bytes = 0
         self._pending = {}                    # unit -> in-flight gather works
         self._whole: set[int] = set()         # units with gathered params (or in flight)
@@ -129,7 +138,9 @@ class Stage3:
         ref = weakref.ref(self)
         if root is not None:
             self.handles.append(root.register_forward_pre_hook(_eager(_forward_starts(ref))))
-            self.handles.append(root.register_forward_hook(_eager(_forward_ends(ref))))
+            # always_call: a forward that raised lets go of what it held too
+            self.handles.append(root.register_forward_hook(_eager(_forward_ends(ref)),
+                                                           always_call=True))
         self.add_units(units)
 
     def add_units(self, units) -> None:
@@ -205,7 +216,7 @@ class Stage3:
             for w in work:
                 if w is not None:
                     w.wait()
-        else:
+        elif any(b.gathered is None for b in self.units[index][1]):
             self._start(index, async_op=False)
 
     def prefetch(self, index: int | None) -> None:
@@ -214,7 +225,12 @@ class Stage3:
             return
         if all(b.gathered is not None for b in self.units[index][1]):
             return
+        if not self.fits(self.unit_bytes(index)):
+            return
         self._pending[index] = self._start(index, async_op=True)
+
+    def fits(self, more: int) -> bool:
+        return self.limit is None or self._gathered + more <= self.limit
 
     def release(self, index: int) -> None:
         if self.suspended or index in self.keep:
@@ -253,19 +269,47 @@ class Stage3:
         self.suspended -= 1
 
     def units_within(self, budget: int) -> set[int]:
-        """Units to keep whole under a budget of bytes, in the order they
-        run, leaving room for the one gathered ahead (so the units gathered
-        at once stay within the budget plus one unit)."""
-        largest = max((self.unit_bytes(i) for i in range(len(self.units))), default=0)
-        room = budget - largest
-        chosen = set()
-        sequence = list(dict.fromkeys(self.order + list(range(len(self.units)))))
-        for index in sequence:
-            size = self.unit_bytes(index)
-            if size <= room:
+        """Units to keep whole under a budget of bytes: those a forward uses
+        most often first (the root), then the larger, as long as they fit.
+        A unit kept saves its gathers in every forward, so for the same
+        budget more uses mean more saved."""
+        sizes = [self.unit_bytes(i) for i in range(len(self.units))]
+        uses = self.uses()
+        ranked = sorted(range(len(sizes)), key=lambda i: (-uses.get(i, 1), -sizes[i], i))
+        chosen, used = set(), 0
+        for index in ranked:
+            if used + sizes[index] <= budget:
                 chosen.add(index)
-                room -= size
+                used += sizes[index]
         return chosen
+
+    def uses(self) -> dict[int, int]:
+        """How many times one forward gathers each unit (by the first one)."""
+        counts: dict[int, int] = {}
+        if self.order_known:
+            for index in self.order:
+                counts[index] = counts.get(index, 0) + 1
+        return counts
+
+    def limits(self, budget: int | None) -> int:
+        """The gathered bytes unit by unit allows (two units: one running,
+        the next one gathered ahead), or a budget (plus one unit running)."""
+        sizes = sorted(self.unit_bytes(i) for i in range(len(self.units)))
+        return sum(sizes[-2:]) if budget is None else budget + (sizes[-1] if sizes else 0)
+
+    def holds(self, index: int) -> bool:
+        """Whether a unit stays whole after a use, until the forward ends:
+        one used again in this no_grad forward, while any other unit still
+        fits beside it (gathering ahead waits for room)."""
+        if not self.running or torch.is_grad_enabled() or self.uses().get(index, 1) < 2:
+            return False
+        if self.limit is None:
+            return True
+        # a unit gathered ahead gives way: it saves no bytes, holding does
+        ahead = sum(self.unit_bytes(i) for i in self._pending)
+        others = [self.unit_bytes(i) for i in range(len(self.units))
+                  if i != index and (i not in self._whole or i in self._pending)]
+        return self._gathered - ahead + max(others, default=0) <= self.limit
 
     def following(self) -> int | None:
         """The unit after the one running now, by the first forward's order."""
@@ -299,8 +343,12 @@ def _eager(hook):
 def _forward_starts(ref):
     def hook(module, args):
         self = ref()
-        if self is not None:
-            self.position = 0
+        if self is None:
+            return
+        if self.running:                  # the last forward raised: what it held goes
+            self.release_all()
+        self.position = 0
+        self.running = True
     return hook
 
 
@@ -309,7 +357,10 @@ def _forward_ends(ref):
         self = ref()
         if self is None:
             return
+        if output is None and not self.order_known:
+            self.order.clear()        # it may have raised midway: the next one records
         self.order_known = self.order_known or bool(self.order)
+        self.running = False
         self.release_all()            # with any gather ahead that went unused
     return hook
 
@@ -334,6 +385,8 @@ def _post_forward(ref, index):
             return
         if torch.is_grad_enabled():
             _on_backward(output, lambda: _backward_gather(ref, index))
+        elif self.holds(index):
+            return
         self.release(index)
     return hook
 

@@ -68,6 +68,56 @@ def generation_modes(rank, world_size, kind):
     return out
 
 
+def _raise(*_):
+    raise KeyError("a forward that fails")
+
+
+def generation_gathers(rank, world_size, kind):
+    """Per mode: how many times each unit was gathered (and how many of those
+    ahead of its use), and the forwards run; then what budgets keep."""
+    model = tiny_lm(kind).eval()
+    opt = rlhfz.ZeroAdamW(model, stage=3, param_persistence_threshold=64)
+    stage3 = opt.stage3
+    root = next(i for i, (module, _) in enumerate(stage3.units) if module is model)
+    sizes = [stage3.unit_bytes(i) for i in range(len(stage3.units))]
+    gathers, ahead, forwards = {}, [0], [0]
+    start = stage3._start
+
+    def counted(index, async_op):
+        gathers[index] = gathers.get(index, 0) + 1
+        ahead[0] += bool(async_op)
+        return start(index, async_op)
+    stage3._start = counted
+    model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    with torch.no_grad():
+        model(PROMPT)                           # the order units run in
+    out = {"sizes": sizes, "root": root, "uses": stage3.uses()}
+    for mode, options in (("unit", dict(enabled=False)),
+                          ("budget", dict(budget_bytes=sizes[root]))):
+        gathers.clear()
+        ahead[0] = forwards[0] = 0
+        stage3.peak_bytes = 0
+        with rlhfz.gather_for_generation(model, **options):
+            out[mode + "_tokens"] = greedy(model)
+        out[mode] = {"gathers": dict(gathers), "ahead": ahead[0], "forwards": forwards[0],
+                     "peak": stage3.peak_bytes}
+    # a no_grad forward that raises after the root's first use lets go of it
+    blocks = model.transformer.h if kind == "gpt2" else model.model.layers
+    handle = blocks[1].register_forward_pre_hook(_raise)
+    try:
+        with torch.no_grad():
+            model(PROMPT)
+    except KeyError:
+        out["raised_gathered"] = stage3.gathered_bytes()
+    handle.remove()
+    # with grads, the root goes after each use
+    gathers.clear()
+    model(PROMPT).logits.sum().backward()
+    out["train_root_gathers"] = gathers.get(root, 0)
+    out["kept"] = {q: sorted(stage3.units_within(sum(sizes) * q // 8)) for q in range(9)}
+    return out
+
+
 def exception_safety(rank, world_size, kind):
     """An exception inside each mode leaves the model generating and training."""
     model = tiny_lm(kind)

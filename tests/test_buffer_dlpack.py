@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -317,6 +318,39 @@ def test_deleters_run_on_threads_python_never_saw():
     for thread in threads:
         assert join(thread, None) == 0
     gc.collect()
+    assert dead() is None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses pthreads through ctypes")
+def test_a_foreign_thread_releases_without_waiting_for_the_gil():
+    """A thread without the GIL (a gloo worker finishing a collective) must
+    never wait for it: while the interpreter shuts down, a thread that gets
+    the GIL is ended by pthread_exit, which aborts a C++ thread. So its
+    release counts at once, and the Buffer goes once Python runs again."""
+    held = ctypes.PyDLL(None)                 # calls through it keep the GIL
+    held.pthread_create.argtypes = [ctypes.POINTER(ctypes.c_ulong), ctypes.c_void_p,
+                                    ctypes.c_void_p, ctypes.c_void_p]
+    join = ctypes.CDLL(None).pthread_join     # releases it
+    join.argtypes = [ctypes.c_ulong, ctypes.c_void_p]
+    buf = _C.Buffer(256)
+    dead = weakref.ref(buf)
+    pointer, deleter = take(buf.view("float32").__dlpack__(max_version=(1, 0)))
+    del buf
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)             # no thread gets the GIL from this one
+    try:
+        thread = ctypes.c_ulong()
+        assert held.pthread_create(ctypes.byref(thread), None, deleter, pointer) == 0
+        end = time.monotonic() + 10
+        while dead().exports and time.monotonic() < end:
+            pass
+        released = dead().exports == 0
+    finally:
+        sys.setswitchinterval(interval)
+        assert join(thread, None) == 0
+    assert released, "the thread waited for the GIL"
+    for _ in range(3):
+        gc.collect()
     assert dead() is None
 
 

@@ -46,6 +46,42 @@ def test_generation_is_identical_in_every_mode(kind, world_size):
         assert result["hooks_after"] == result["hooks"]
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_generation_gathers_each_unit_once_per_token(kind):
+    """Unit by unit, each unit is gathered once per forward, the root (used
+    by the embedding, the final norm and the tied head) included, and the
+    next unit ahead of its use; a budget that holds the root keeps it, so
+    only the blocks are gathered; with grads the root goes after each use.
+    More budget never keeps fewer bytes, and the root comes first."""
+    reference = workers.greedy(workers.tiny_lm(kind).eval())
+    results = run_ranks(workers.generation_gathers, 2, kind)
+    for result in results:
+        root, sizes = result["root"], result["sizes"]
+        assert result["uses"][root] >= 2                     # what made it costly
+        largest = sorted(sizes)[-2:]
+        for mode in ("unit", "budget"):
+            assert torch.equal(result[mode + "_tokens"], reference), mode
+        unit = result["unit"]
+        assert unit["gathers"] == {i: unit["forwards"] for i in range(len(sizes))}
+        # ahead while the held root leaves room for it (two units at most)
+        assert unit["ahead"] >= unit["forwards"]
+        assert unit["peak"] <= sum(largest)
+        budget = result["budget"]
+        assert budget["gathers"].get(root) == 1              # once, when the context opens
+        assert all(budget["gathers"][i] == budget["forwards"]
+                   for i in range(len(sizes)) if i != root)
+        assert budget["ahead"] > 0
+        assert budget["peak"] <= sizes[root] + largest[-1]
+        assert result["raised_gathered"] == 0
+        assert result["train_root_gathers"] > 2              # forward uses and backward
+        kept = result["kept"]
+        assert kept[0] == [] and kept[8] == list(range(len(sizes)))
+        for q in range(1, 9):                                # more budget keeps more bytes
+            assert sum(sizes[i] for i in kept[q]) >= sum(sizes[i] for i in kept[q - 1])
+            if sum(sizes) * q // 8 >= sizes[root]:
+                assert root in kept[q], q                    # the root first, once it fits
+
+
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
