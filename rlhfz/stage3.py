@@ -272,16 +272,32 @@ class Stage3:
         """Units to keep whole under a budget of bytes: those a forward uses
         most often first (the root), then the larger, as long as they fit.
         A unit kept saves its gathers in every forward, so for the same
-        budget more uses mean more saved."""
+        budget more uses mean more saved. A unit used often that does not
+        fit is gathered once per forward if it can be held beside the next
+        unit (see holds()): kept units make room for that while they save
+        less than it does."""
         sizes = [self.unit_bytes(i) for i in range(len(self.units))]
         uses = self.uses()
         ranked = sorted(range(len(sizes)), key=lambda i: (-uses.get(i, 1), -sizes[i], i))
-        chosen, used = set(), 0
+        chosen, used = [], 0
         for index in ranked:
             if used + sizes[index] <= budget:
-                chosen.add(index)
+                chosen.append(index)
                 used += sizes[index]
-        return chosen
+        left = [i for i in ranked if i not in chosen and uses.get(i, 1) > 1]
+        if not left:
+            return set(chosen)
+        reused, limit = left[0], self.limits(budget)
+
+        def room(kept):
+            outside = max((sizes[i] for i in range(len(sizes))
+                           if i not in kept and i != reused), default=0)
+            return sum(sizes[i] for i in kept) + sizes[reused] + outside <= limit
+        trial, given = list(chosen), 0
+        while trial and not room(trial):
+            given += sizes[trial.pop()]
+        saved = (uses[reused] - 1) * sizes[reused]
+        return set(trial if room(trial) and given < saved else chosen)
 
     def uses(self) -> dict[int, int]:
         """How many times one forward gathers each unit (by the first one)."""
@@ -293,9 +309,11 @@ class Stage3:
 
     def limits(self, budget: int | None) -> int:
         """The gathered bytes unit by unit allows (two units: one running,
-        the next one gathered ahead), or a budget (plus one unit running)."""
+        the next one gathered ahead), or a budget's (plus one unit running,
+        and never less than unit by unit)."""
         sizes = sorted(self.unit_bytes(i) for i in range(len(self.units)))
-        return sum(sizes[-2:]) if budget is None else budget + (sizes[-1] if sizes else 0)
+        two = sum(sizes[-2:])
+        return two if budget is None else max(two, budget + (sizes[-1] if sizes else 0))
 
     def holds(self, index: int) -> bool:
         """Whether a unit stays whole after a use, until the forward ends:

@@ -114,7 +114,17 @@ def generation_gathers(rank, world_size, kind):
     gathers.clear()
     model(PROMPT).logits.sum().backward()
     out["train_root_gathers"] = gathers.get(root, 0)
-    out["kept"] = {q: sorted(stage3.units_within(sum(sizes) * q // 8)) for q in range(9)}
+    model.zero_grad(set_to_none=True)
+    out["kept"], out["per_forward"] = {}, {}
+    for q in range(9):
+        budget = sum(sizes) * q // 8
+        kept = stage3.units_within(budget)
+        gathers.clear()
+        forwards[0] = 0
+        with rlhfz.gather_for_generation(model, budget_bytes=budget):
+            greedy(model)
+        moved = sum(n * sizes[i] for i, n in gathers.items()) - sum(sizes[i] for i in kept)
+        out["kept"][q], out["per_forward"][q] = sorted(kept), moved / forwards[0]
     return out
 
 
