@@ -60,7 +60,7 @@ def _cmd_estimate(args) -> int:
         result = estimate_bytes(args.params, world_size=args.world_size, stage=args.stage,
                                 param_dtype=args.dtype, offload=args.offload,
                                 offload_ratio=1.0 if args.offload_ratio is None
-                                else args.offload_ratio)
+                                else args.offload_ratio, bucket_bytes=args.bucket_bytes)
     except ValueError as error:
         return _usage_error("estimate", str(error))
     print(format_estimate(result, args))
@@ -147,6 +147,9 @@ def main(argv=None) -> int:
     estimate.add_argument("--offload-ratio", type=_ratio, default=None,
                           help="share of the optimizer state on the host (with --offload "
                                "cpu; default 1.0)")
+    estimate.add_argument("--bucket-bytes", type=_positive_int, default=None,
+                          help="ZeroAdamW's bucket_bytes (stage 2: the bucket and staging "
+                               "cap; default 32 MiB, at most an eighth of the model)")
     estimate.set_defaults(func=_cmd_estimate)
 
     consolidate = sub.add_parser(

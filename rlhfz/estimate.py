@@ -3,8 +3,9 @@
 The same accounting as ZeroAdamW.memory_report(): params and grads in the
 param dtype, fp32 master weights only for 16-bit params, two fp32 moments.
 Stage 2 grads across ranks are the shard plus the reducer's staging: two
-buckets and one bucket shard (one param group assumed). Padding (at most one
-alignment unit per bucket) is left out.
+slots of the bucket cap and a slot's shard of scratch (one param group
+assumed; a param above the cap goes through the slots in pieces). Padding
+(at most one alignment unit per bucket) is left out.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 def estimate_bytes(params: int, world_size: int = 1, stage: int = 2,
                    param_dtype: str = "bfloat16", offload: str | None = None,
-                   offload_ratio: float = 1.0) -> dict[str, dict[str, int]]:
+                   offload_ratio: float = 1.0,
+                   bucket_bytes: int | None = None) -> dict[str, dict[str, int]]:
     """{kind: {tier: bytes}} on one rank; tiers 'device' and 'host'."""
     if params < 0 or world_size < 1 or stage not in (0, 1, 2, 3):
         raise ValueError("params >= 0, world_size >= 1 and stage in 0..3 are required")
@@ -23,11 +25,13 @@ def estimate_bytes(params: int, world_size: int = 1, stage: int = 2,
         raise ValueError(f"param_dtype must be one of {sorted(_ITEMSIZE)}")
     if not 0.0 <= offload_ratio <= 1.0:
         raise ValueError("offload_ratio must be in [0, 1]")
+    if bucket_bytes is not None and bucket_bytes < 4096:
+        raise ValueError("bucket_bytes must be at least 4096")
     itemsize = _ITEMSIZE[param_dtype]
     per_rank = -(-params // world_size)
     grads = params * itemsize if stage < 2 else per_rank * itemsize
     if stage == 2 and world_size > 1:
-        bucket = min(stage2_bucket_bytes(params * itemsize), params * itemsize)
+        bucket = min(stage2_bucket_bytes(params * itemsize, bucket_bytes), params * itemsize)
         grads += 2 * bucket + -(-bucket // world_size)
     full = {
         "params": params * itemsize if stage < 3 else per_rank * itemsize,

@@ -91,17 +91,20 @@ class ZeroAdamW(Optimizer):
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
                  differentiable=False, fused=None, stage=2, process_group=None, offload=None,
                  offload_ratio=1.0, pin_memory="auto", nonfinite="raise", wrap=None,
-                 param_persistence_threshold=100_000, reduce_dtype=None, collectives="torch"):
+                 param_persistence_threshold=100_000, reduce_dtype=None, collectives="torch",
+                 bucket_bytes=None):
         # the options besides torch's defaults, from which a copy is built (__getstate__)
         self._options = dict(stage=stage, offload=offload, offload_ratio=offload_ratio,
                              pin_memory=pin_memory, nonfinite=nonfinite, wrap=wrap,
                              param_persistence_threshold=param_persistence_threshold,
-                             reduce_dtype=reduce_dtype, collectives=collectives)
+                             reduce_dtype=reduce_dtype, collectives=collectives,
+                             bucket_bytes=bucket_bytes)
         check_hparams(lr, betas, eps, weight_decay)
         check_unsupported(dict(amsgrad=amsgrad, capturable=capturable,
                                differentiable=differentiable, foreach=foreach, fused=fused))
         check_engine_options(stage, offload, offload_ratio, pin_memory, nonfinite,
-                             param_persistence_threshold, reduce_dtype, collectives)
+                             param_persistence_threshold, reduce_dtype, collectives,
+                             bucket_bytes)
         if isinstance(params, torch.Tensor):
             # as torch.optim.Optimizer: iterating it would give its rows
             raise TypeError("params argument given to the optimizer should be an iterable of "
@@ -143,6 +146,7 @@ class ZeroAdamW(Optimizer):
         self.stage = stage
         self.module = module
         self.reduce_dtype = reduce_dtype
+        self.bucket_bytes = bucket_bytes
         self.offload_target = offload
         self.offload_ratio = float(offload_ratio)
         self.pin_memory = pin_memory
@@ -157,7 +161,8 @@ class ZeroAdamW(Optimizer):
         # not at some later garbage collection.
         self._make_engine()
         if stage >= 2 and self.world_size > 1:
-            self.engine.use_reducer(GradReducer(self.engine.buckets, self.comm, self.backend))
+            self.engine.use_reducer(GradReducer(self.engine.buckets, self.comm, self.backend,
+                                                self.bucket_bytes))
         # Stage 3 across ranks: params sharded too, gathered per unit
         # (stage3.py); the model's frozen params are sharded beside them
         # (sharding.py), and a model sharded before brings its own.
@@ -182,7 +187,7 @@ class ZeroAdamW(Optimizer):
         self.engine = ShardEngine(
             self.backend, self.comm, stage=self.stage,
             host_ratio=self.offload_ratio if self.offload_target == "cpu" else 0.0,
-            reduce_dtype=self.reduce_dtype,
+            reduce_dtype=self.reduce_dtype, bucket_bytes=self.bucket_bytes,
             host_alloc=functools.partial(host_buffer, pin_memory=self.pin_memory, zero=True))
         self.engine.on_state = _state_keeper(weakref.ref(self))
 

@@ -71,7 +71,8 @@ def group_hparams(group) -> dict[str, Any]:
 
 
 def check_engine_options(stage, offload, offload_ratio, pin_memory, nonfinite,
-                         param_persistence_threshold, reduce_dtype, collectives) -> None:
+                         param_persistence_threshold, reduce_dtype, collectives,
+                         bucket_bytes=None) -> None:
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, not {stage!r}")
     if offload not in (None, "cpu"):
@@ -89,6 +90,11 @@ def check_engine_options(stage, offload, offload_ratio, pin_memory, nonfinite,
                          f"not {reduce_dtype!r}")
     if collectives not in ("torch", "nccl"):
         raise ValueError(f"collectives must be 'torch' or 'nccl', not {collectives!r}")
+    if bucket_bytes is not None and not (isinstance(bucket_bytes, int) and
+                                         not isinstance(bucket_bytes, bool) and
+                                         bucket_bytes >= 4096):
+        raise ValueError(f"bucket_bytes must be None (32 MiB, at most an eighth of a param "
+                         f"group) or an int >= 4096, not {bucket_bytes!r}")
 
 
 def check_params(tensors: list, device: torch.device, groups) -> None:

@@ -8,6 +8,12 @@ grad, the bucket's reduce-scatter starts asynchronously, overlapping the rest
 of backward, and leaves the averaged grad in the bucket's shard. Later
 micro-batches add into that shard: accumulation needs no full-size memory.
 
+Staging is two slots of at most the bucket cap (bucket_bytes), whatever the
+largest bucket: a bucket above the cap (a param larger than it: a big
+embedding; a stage 3 unit) keeps its params' grads as autograd made them
+until its turn, then reduce-scatters them in pieces through the slots. So
+the reducer's memory is about two caps and a cap's shard of scratch.
+
 Every rank must issue the same collectives in the same order, whatever order
 its grads arrive in, so buckets are launched in descending index (the order
 backward usually completes them); a bucket that completes early waits for
@@ -18,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .engine import DTYPE_NAMES, Bucket, torch_view
+from .engine import DTYPE_NAMES, Bucket, stage2_bucket_bytes, torch_view
 
 
 class _Progress:
@@ -34,16 +40,18 @@ class _Progress:
         self.staged_params = [False] * count
         self.arrived_now = 0                # distinct params staged this round
         self.launched = False
+        self.held: dict[int, torch.Tensor] = {}   # above the cap: grads until launch
 
     def open(self, count: int) -> None:
         self.staged = None
         self.staged_params = [False] * count
         self.arrived_now = 0
         self.launched = False
+        self.held = {}
 
 
 class GradReducer:
-    def __init__(self, buckets: list[Bucket], comm, backend):
+    def __init__(self, buckets: list[Bucket], comm, backend, bucket_bytes: int | None = None):
         self.buckets = buckets            # the engine's list; it grows with add_param_group
         self.comm = comm
         self.backend = backend
@@ -56,6 +64,7 @@ class GradReducer:
         self._scratch: dict[torch.dtype, torch.Tensor] = {}
         self._round_open = False
         self._next = -1
+        self.bucket_bytes = bucket_bytes  # ZeroAdamW's option (None: the default cap)
         # stage 3: told when a bucket's grads are all staged (its params may
         # go), and when backward is over
         self.on_staged = None
@@ -84,14 +93,15 @@ class GradReducer:
     # ---- memory -------------------------------------------------------------------
 
     def reserve(self) -> None:
-        """Sizes the staging buffers and the accumulation scratch for the
-        largest bucket of each dtype (called when buckets are added)."""
+        """Sizes the staging slots and the accumulation scratch for the
+        largest bucket of each dtype, up to the cap (called when buckets are
+        added); buckets above it go in pieces of a slot each."""
         for dtype in DTYPE_NAMES:
             members = [b for b in self.buckets if b.reduce_dtype == dtype]
             if not members:
                 continue
-            numel = max(b.layout.padded_numel for b in members)
-            shard = max(b.layout.shard_numel for b in members)
+            numel = self._slot_numel(dtype)
+            shard = -(-numel // members[0].world_size)
             have = self._staging.get(dtype)
             if have is not None and have[0].numel() >= numel and \
                     self._scratch[dtype].numel() >= shard:
@@ -103,6 +113,21 @@ class GradReducer:
             self._staging_buffers[dtype] = buffers      # the smaller ones are freed
             self._staging[dtype] = tensors[:2]
             self._scratch[dtype] = tensors[2]
+
+    def _slot_numel(self, dtype: torch.dtype) -> int:
+        """A staging slot: the largest bucket of the dtype, at most the cap
+        (and at least one element per rank, so a piece is never empty)."""
+        members = [b for b in self.buckets if b.reduce_dtype == dtype]
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        largest = max(b.layout.padded_numel for b in members)
+        cap = stage2_bucket_bytes(sum(b.layout.padded_numel for b in members) * itemsize,
+                                  self.bucket_bytes)
+        return min(largest, max(cap // itemsize, members[0].world_size))
+
+    def _pieced(self, bucket: Bucket) -> bool:
+        """Above the cap: reduced in pieces from its held grads."""
+        staging = self._staging.get(bucket.reduce_dtype)
+        return staging is not None and bucket.layout.padded_numel > staging[0].numel()
 
     def release(self) -> None:
         """Frees the staging memory (it holds nothing between backwards);
@@ -161,15 +186,22 @@ class GradReducer:
 
     def on_grad(self, bucket: Bucket, index: int, param: torch.Tensor) -> None:
         self._open_round()
-        flat = self._stage(bucket)
         progress = self._of(bucket)
-        slot = bucket.layout.slots[index]
-        target = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
         with torch.no_grad():
-            if progress.staged_params[index]:
-                target.add_(param.grad)
+            if self._pieced(bucket):
+                if progress.staged_params[index]:     # not in place: it may be stolen
+                    progress.held[index] = progress.held[index] + param.grad
+                else:
+                    progress.held[index] = param.grad
             else:
-                target.copy_(param.grad)
+                flat = self._stage(bucket)
+                slot = bucket.layout.slots[index]
+                target = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+                if progress.staged_params[index]:
+                    target.add_(param.grad)
+                else:
+                    target.copy_(param.grad)
+            if not progress.staged_params[index]:
                 progress.staged_params[index] = True
                 progress.arrived_now += 1     # distinct params, so a repeat cannot launch early
         param.grad = None
@@ -190,6 +222,9 @@ class GradReducer:
     def _launch(self, bucket: Bucket) -> None:
         progress = self._of(bucket)
         if progress.launched or not bucket.trainable:
+            return
+        if self._pieced(bucket):
+            self._launch_pieces(bucket, progress)
             return
         flat = self._stage(bucket)
         if progress.arrived_now < len(bucket.params):
@@ -212,6 +247,53 @@ class GradReducer:
         scratch = self._scratch[bucket.reduce_dtype][:bucket.layout.shard_numel]
         self.comm.reduce_scatter(scratch, flat)
         bucket.flat_grad_shard.add_(scratch)
+
+    def _launch_pieces(self, bucket: Bucket, progress: _Progress) -> None:
+        """Reduce-scatters a bucket above the cap from its held grads: for
+        each piece of the shard range, every rank's part of it is packed
+        into a staging slot (the two alternate, so one packs while the
+        other's collective runs); a param without a grad adds zeros."""
+        held, progress.held = progress.held, {}
+        progress.launched = True
+        progress.generation += 1
+        accumulate, progress.accumulated = progress.accumulated, True
+        dtype, world = bucket.reduce_dtype, bucket.world_size
+        shard = bucket.layout.shard_numel
+        step = max(1, self._staging[dtype][0].numel() // world)
+        for number, lo in enumerate(range(0, shard, step)):
+            hi = min(lo + step, shard)
+            slot, memory = self._piece_slot(bucket, number)
+            flat = memory[:world * (hi - lo)]
+            for rank in range(world):
+                _pack(flat[rank * (hi - lo):(rank + 1) * (hi - lo)], held, bucket.layout,
+                      rank * shard + lo)
+            target = bucket.flat_grad_shard[lo:hi]
+            if accumulate:
+                scratch = self._scratch[dtype][:hi - lo]
+                self.comm.reduce_scatter(scratch, flat)
+                target.add_(scratch)
+                continue
+            work = self.comm.reduce_scatter(target, flat, async_op=True)
+            if slot is None:
+                self._pending.append((work, memory))
+            else:
+                self._slot_work[slot] = work
+
+    def _piece_slot(self, bucket: Bucket, number: int):
+        """(slot, memory) for a piece: a staging slot once its last
+        collective is done; one still filling with another bucket's grads is
+        left to it, and the piece gets memory of its own (slot None)."""
+        slot = (bucket.reduce_dtype, number % 2)
+        owner = self._slot_owner.get(slot)
+        if owner is not None and owner is not bucket:
+            theirs = self._of(owner)
+            if theirs.staged is not None and not theirs.launched:
+                return None, self.backend.empty(self._staging[slot[0]][0].numel(), slot[0])
+        work = self._slot_work.pop(slot, None)
+        if work is not None:
+            work.wait()
+        self._slot_owner[slot] = bucket
+        return slot, self._staging[slot[0]][slot[1]]
 
     def flush(self) -> None:
         """Launches whatever backward left (in order), and waits for it all."""
@@ -261,3 +343,23 @@ class GradReducer:
             progress = self._of(bucket)
             progress.arrived = [False] * len(bucket.params)
             progress.accumulated = False
+
+
+def _pack(out: torch.Tensor, held: dict, layout, start: int) -> None:
+    """out = elements [start, start + len(out)) of the bucket's flat grads,
+    taken from the held grads; gaps, padding and params without one are 0."""
+    stop, filled = start + out.numel(), start
+    for index, slot in enumerate(layout.slots):
+        lo, hi = max(start, slot.offset), min(stop, slot.offset + slot.numel)
+        if lo >= hi:
+            continue
+        if lo > filled:
+            out[filled - start:lo - start].zero_()
+        grad = held.get(index)
+        if grad is None:
+            out[lo - start:hi - start].zero_()
+        else:
+            out[lo - start:hi - start].copy_(grad.reshape(-1)[lo - slot.offset:hi - slot.offset])
+        filled = hi
+    if filled < stop:
+        out[filled - start:].zero_()

@@ -269,6 +269,16 @@ def communicator_primitives(rank, world_size, piece_bytes):
     return out
 
 
+def bucket_cap(rank, world_size, bucket_bytes):
+    """Buckets and the grad bytes a stage 2 rank holds, under the option."""
+    model = make_model()
+    opt = rlhfz.ZeroAdamW(groups(model), lr=1e-3, stage=2, bucket_bytes=bucket_bytes)
+    losses = train(model, opt, batches(3), rank, world_size, micro_batches=2)
+    return {"buckets": len(opt.engine.buckets), "losses": losses,
+            "grads": opt.memory_report()["grads"]["host"],
+            "shard_grad_bytes": sum(b.flat_grad_shard.numel() * 4 for b in opt.engine.buckets)}
+
+
 def accumulate_across_steps(rank, world_size, stage):
     """Two steps with no zero_grad between them: the second step's grads are
     the first's plus the new ones, as with torch.optim.AdamW in one process.

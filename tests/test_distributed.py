@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import dist_workers as workers
+import rlhfz
 from rlhfz.launch import run_ranks
 
 STEPS = 50
@@ -133,15 +134,34 @@ def test_a_collective_left_in_flight_is_finished_before_exit():
 
 
 def test_stage2_holds_no_full_grads():
-    """Stage 2 keeps grad shards, two staging buckets and one scratch shard:
-    never the model's full grads."""
-    results = run_ranks(workers.stage_parity, 2, 2, None, 2, 1, 16 << 10)
+    """Stage 2 keeps grad shards, two staging slots of at most the bucket cap
+    (a larger param goes through them in pieces) and a slot's shard of
+    scratch: never the model's full grads."""
+    cap = 16 << 10
+    results = run_ranks(workers.stage_parity, 2, 2, None, 2, 1, cap)
     for result in results:
         grads = result["report"]["grads"]["host"]
-        expected = (result["shard_grad_bytes"] + 2 * result["max_bucket_bytes"]
-                    + result["max_shard_bytes"])
+        assert result["max_bucket_bytes"] > cap          # the first weight: pieced
+        slot = min(result["max_bucket_bytes"], cap) // 4
+        expected = result["shard_grad_bytes"] + (2 * slot + -(-slot // 2)) * 4
         assert grads == expected, (grads, expected)
         assert result["shard_grad_bytes"] <= 1.02 * 4 * result["numel"] / 2 + 64 * result["buckets"]
+
+
+def test_bucket_bytes_is_the_cap_on_buckets_and_staging():
+    """ZeroAdamW(bucket_bytes=) splits groups into buckets of about that
+    size and bounds staging by it, params larger than it included; the
+    losses do not depend on it."""
+    default, small = (run_ranks(workers.bucket_cap, 2, cap) for cap in (None, 8192))
+    for ours, theirs in zip(small, default):
+        assert ours["buckets"] > theirs["buckets"]
+        assert ours["grads"] <= ours["shard_grad_bytes"] + 2 * 8192 + 8192 // 2
+        torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(theirs["losses"]),
+                                   rtol=1e-6, atol=0)
+    model = workers.make_model()
+    for bad in (100, 1.5, True, "32MB"):
+        with pytest.raises(ValueError, match="bucket_bytes"):
+            rlhfz.ZeroAdamW(model.parameters(), bucket_bytes=bad)
 
 
 def test_ddp_wrapped_model_with_sharding_raises():

@@ -293,6 +293,7 @@ def test_cli_info_and_estimate():
     (["--params", "7B", "--offload-ratio", "0.5"], "it needs --offload cpu"),
     (["--params", "7B", "--offload", "cpu", "--offload-ratio", "2"], "between 0 and 1"),
     (["--params", "7B", "--world-size", "4", "--stage", "0"], "stage 0 does not shard"),
+    (["--params", "7B", "--world-size", "2", "--bucket-bytes", "100"], "at least 4096"),
 ])
 def test_cli_estimate_refuses_bad_input_with_a_message(arguments, message):
     import subprocess
@@ -313,6 +314,17 @@ def test_cli_estimate_puts_the_offload_ratio_on_the_host():
     line = next(line for line in out.splitlines() if line.strip().startswith("exp_avg "))
     device, host = (float(part.split()[0]) for part in line.split("device")[1].split("host"))
     assert abs(host / (device + host) - 0.25) < 1e-3, out
+
+
+def test_cli_estimate_follows_bucket_bytes():
+    """Stage 2 grads: the shard, two staging slots of the cap and a slot's
+    shard of scratch."""
+    from rlhfz.estimate import estimate_bytes
+    shard = 1_000_000 * 4 // 2
+    for cap in (8 << 20, 32 << 20):
+        grads = estimate_bytes(1_000_000 * 16, world_size=2, stage=2, param_dtype="float32",
+                               bucket_bytes=cap)["grads"]["device"]
+        assert grads == 16 * shard + 2 * cap + cap // 2
 
 
 def test_cli_info_names_torch():

@@ -90,11 +90,13 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("kind, world_size, checkpointing, options", [
     ("gpt2", 2, False, None), ("llama", 3, True, None),
-    ("gpt2", 2, False, {"offload": "cpu", "offload_ratio": 0.5})],
-    ids=["gpt2-2", "llama-3-checkpointing", "gpt2-2-host-state"])
+    ("gpt2", 2, False, {"offload": "cpu", "offload_ratio": 0.5}),
+    ("llama", 3, True, {"bucket_bytes": 4096})],
+    ids=["gpt2-2", "llama-3-checkpointing", "gpt2-2-host-state", "llama-3-pieces"])
 def test_training_matches_single_process_adamw(kind, world_size, checkpointing, options):
     """50 steps, tied embeddings, clipping; Llama with gradient checkpointing;
-    and with half of each shard's optimizer state on the host."""
+    with half of each shard's optimizer state on the host; and with a 4 KiB
+    bucket cap, so every unit's grads are reduced in pieces."""
     steps = 50
     ref_losses, ref_params, _ = _reference_training(kind, steps, checkpointing)
     results = run_ranks(workers.train_parity, world_size, kind, steps, checkpointing, options)

@@ -51,7 +51,8 @@ class ShardEngine:
     (None in a single process)."""
 
     def __init__(self, backend, comm, *, stage: int, host_ratio: float = 0.0,
-                 reduce_dtype: torch.dtype | None = None, host_alloc=None):
+                 reduce_dtype: torch.dtype | None = None, bucket_bytes: int | None = None,
+                 host_alloc=None):
         self.backend = backend
         self.device = backend.device
         self.comm = comm
@@ -60,6 +61,7 @@ class ShardEngine:
         self.stage = stage
         self.host_ratio = host_ratio
         self.reduce_dtype = reduce_dtype
+        self.bucket_bytes = bucket_bytes
         self.host_alloc = host_alloc
         self.buckets: list[Bucket] = []
         self.reducer = None              # stage 2 across ranks: reduces grads during backward
@@ -100,7 +102,8 @@ class ShardEngine:
     def _chunks(self, members: list) -> list[list]:
         if self.reducer is None or not members:
             return [members] if members else []
-        cap = stage2_bucket_bytes(sum(p.numel() * p.element_size() for p in members))
+        cap = stage2_bucket_bytes(sum(p.numel() * p.element_size() for p in members),
+                                  self.bucket_bytes)
         return split_by_bytes(members, lambda p: p.numel() * p.element_size(), cap)
 
     def attach(self, buckets: list[Bucket]) -> None:

@@ -17,11 +17,14 @@ from typing import Sequence
 ALIGN_BYTES = 64
 
 
-def stage2_bucket_bytes(group_bytes: int) -> int:
+def stage2_bucket_bytes(group_bytes: int, bucket_bytes: int | None = None) -> int:
     """Stage 2 splits each group into buckets of about this many bytes, so
     that reduction overlaps backward and staging memory (two buckets) stays
-    small: RLHFZ_BUCKET_BYTES if set, else 32 MiB but at most an eighth of
-    the group (at least 64 KiB), so that small models save memory too."""
+    small: bucket_bytes (ZeroAdamW's option) or RLHFZ_BUCKET_BYTES if set,
+    else 32 MiB but at most an eighth of the group (at least 64 KiB), so
+    that small models save memory too."""
+    if bucket_bytes is not None:
+        return bucket_bytes
     if "RLHFZ_BUCKET_BYTES" in os.environ:
         return int(os.environ["RLHFZ_BUCKET_BYTES"])
     return min(32 << 20, max(group_bytes // 8, 64 << 10))
