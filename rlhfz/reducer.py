@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from .engine import DTYPE_NAMES, Bucket, stage2_bucket_bytes, torch_view
+from .engine import (DTYPE_NAMES, Bucket, most_per_rank, rank_range, stage2_bucket_bytes,
+                     torch_view)
 
 
 class _Progress:
@@ -101,7 +102,7 @@ class GradReducer:
             if not members:
                 continue
             numel = self._slot_numel(dtype)
-            shard = -(-numel // members[0].world_size)
+            shard = most_per_rank(numel, members[0].world_size)
             have = self._staging.get(dtype)
             if have is not None and have[0].numel() >= numel and \
                     self._scratch[dtype].numel() >= shard:
@@ -265,8 +266,8 @@ class GradReducer:
             slot, memory = self._piece_slot(bucket, number)
             flat = memory[:world * (hi - lo)]
             for rank in range(world):
-                _pack(flat[rank * (hi - lo):(rank + 1) * (hi - lo)], held, bucket.layout,
-                      rank * shard + lo)
+                start, stop = rank_range(rank, hi - lo)
+                _pack(flat[start:stop], held, bucket.layout, rank_range(rank, shard)[0] + lo)
             target = bucket.flat_grad_shard[lo:hi]
             if accumulate:
                 scratch = self._scratch[dtype][:hi - lo]

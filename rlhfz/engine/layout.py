@@ -122,6 +122,11 @@ def shard_size(numel: int, world_size: int) -> int:
     return numel // world_size
 
 
+def most_per_rank(numel: int, world_size: int) -> int:
+    """Elements per rank when numel is cut in world_size parts, rounded up."""
+    return -(-numel // world_size)
+
+
 def rank_range(rank: int, shard_numel: int) -> tuple[int, int]:
     """[lo, hi): the elements that rank owns of a flat tensor cut in shards."""
     return rank * shard_numel, (rank + 1) * shard_numel
