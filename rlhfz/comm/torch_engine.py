@@ -34,6 +34,15 @@ GLOO_PIECE_BYTES = 4 << 20
 # exit they are waited for first, for at most EXIT_DRAIN_S seconds.
 _IN_FLIGHT: set = set()
 EXIT_DRAIN_S = 10.0
+# A gloo worker drops its reference to a finished collective's tensors just
+# after the waiting thread wakes. The Python objects of those tensors then
+# die on the worker, which takes the GIL to free them; during interpreter
+# shutdown that ends the thread by pthread_exit, which aborts a C++ thread
+# ("terminate called without an active exception") and the process with it.
+# So a process that used gloo gives its workers this long, the GIL free, at
+# exit, after the drain.
+EXIT_SETTLE_S = 0.2
+_USED_GLOO = []
 
 
 def _track(pending: "Pending") -> None:
@@ -49,18 +58,21 @@ def in_flight() -> int:
 
 @atexit.register
 def drain_at_exit() -> None:
-    """Waits for what in_flight() counts (at most EXIT_DRAIN_S seconds)."""
+    """Waits for what in_flight() counts (at most EXIT_DRAIN_S seconds), then
+    gives gloo's workers EXIT_SETTLE_S to let go of what they hold."""
     deadline = time.monotonic() + min(EXIT_DRAIN_S, collective_timeout())
     works = [w for pending in list(_IN_FLIGHT) for w in pending.works]
     _IN_FLIGHT.clear()
     for work in works:
         left = deadline - time.monotonic()
         if left <= 0:
-            return
+            break
         try:
             work.wait(timeout=datetime.timedelta(seconds=max(left, 1e-3)))
         except RuntimeError:
             pass
+    if _USED_GLOO:
+        time.sleep(EXIT_SETTLE_S)
 
 
 def _drain(works) -> None:
@@ -114,6 +126,8 @@ class TorchEngine:
         self.group = process_group
         self.rank, self.world_size = control.rank, control.world_size
         self.gloo = dist.get_backend(process_group) == "gloo"
+        if self.gloo and not _USED_GLOO:
+            _USED_GLOO.append(True)
         # On gloo the data moves on a group of rlhfz's own too: a transfer
         # that stalls (a rank alive but elsewhere) ends at rlhfz's timeout
         # and frees gloo's threads; on the caller's group it would hold them,
