@@ -120,6 +120,7 @@ class Stage3:
         self.handles = []
         self.order: list[int] = []            # unit indices, as the first forward ran them
         self.order_known = False
+        self._uses: dict[int, int] = {}       # unit -> gathers per forward, once order is known
         self.position = 0                     # how far this forward is along order
         self.suspended = 0                    # gather_for_generation(enabled=True) holds all
         self.keep: set[int] = set()           # units a budget keeps gathered
@@ -300,12 +301,9 @@ class Stage3:
         return set(trial if room(trial) and given < saved else chosen)
 
     def uses(self) -> dict[int, int]:
-        """How many times one forward gathers each unit (by the first one)."""
-        counts: dict[int, int] = {}
-        if self.order_known:
-            for index in self.order:
-                counts[index] = counts.get(index, 0) + 1
-        return counts
+        """How many times one forward gathers each unit (by the first one;
+        counted once, since every unit's use asks)."""
+        return self._uses
 
     def limits(self, budget: int | None) -> int:
         """The gathered bytes unit by unit allows (two units: one running,
@@ -377,7 +375,10 @@ def _forward_ends(ref):
             return
         if output is None and not self.order_known:
             self.order.clear()        # it may have raised midway: the next one records
-        self.order_known = self.order_known or bool(self.order)
+        if not self.order_known and self.order:
+            self.order_known = True
+            for index in self.order:
+                self._uses[index] = self._uses.get(index, 0) + 1
         self.running = False
         self.release_all()            # with any gather ahead that went unused
     return hook
