@@ -15,7 +15,7 @@ TORCH_PIN ?= torch==2.13.0
 DEPS := $(TORCH_PIN) numpy pytest pytest-benchmark pytest-timeout hypothesis "setuptools>=64" \
 	wheel build nvidia-nccl-cu13 transformers trl==1.13.0 requests peft
 
-.PHONY: deps install demo test wheel-check sim-deps test-sim test-chaos bench gpu-check gpu-sanitize \
+.PHONY: deps install demo test wheel-check sim-deps test-sim test-chaos bench bench-deps gpu-check gpu-sanitize \
 	compare structure clean
 
 deps:
@@ -59,6 +59,13 @@ test-chaos: sim-deps
 bench: install
 	$(PYTHON) -m pytest -q benchmarks --benchmark-columns=min,mean,stddev,rounds \
 		--benchmark-group-by=group
+
+# The optional benchmark peer: DeepSpeed on its CPU accelerator (its CPU Adam
+# builds on first use). Without it, its comparisons skip and say why.
+#   make bench-deps bench
+BENCH_DEPS := deepspeed==0.19.8
+bench-deps: deps
+	$(PIP) install --quiet --disable-pip-version-check $(BENCH_DEPS) -c constraints.txt
 
 # The speed of this tree against an earlier revision (both built for the CPU),
 # every workload of benchmarks/revision_workloads.py in interleaved rounds;

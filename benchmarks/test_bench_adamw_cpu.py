@@ -8,6 +8,11 @@ param of fp32 traffic with trivial arithmetic, on the same threads, measured
 in the same run. A plain copy would not do: write-allocate makes it
 understate what the memory can sustain.
 
+The last test takes the setup of a training script: 50M fp32 params in 8
+nn.Parameters, grads allocated by torch, the public constructor, 2 threads,
+against torch's fused AdamW and DeepSpeedCPUAdam (skipped, with the reason,
+when DeepSpeed is absent) in the same rounds.
+
 Run: make bench   (or: python -m pytest benchmarks -q)
 """
 import gc
@@ -16,6 +21,7 @@ import pytest
 import torch
 
 import rlhfz
+from peers import deepspeed_cpu_adam_or_skip
 from rlhfz import _C
 
 BYTES_PER_PARAM = 28
@@ -260,3 +266,90 @@ def test_clip_step_interleaved(benchmark, size):
         benchmark.extra_info[name] = {"ms": round(seconds * 1e3, 3)}
     benchmark.extra_info["rlhfz_speedup_vs_torch"] = round(best["torch_fused"] / best["rlhfz"], 3)
     benchmark.pedantic(ours_step, rounds=3, iterations=1)
+
+
+# ---- a training script's setup -----------------------------------------------
+# What a user's model hands the optimizer: several nn.Parameters, each with
+# its own torch-allocated grad (moved into rlhfz's buckets on the first step),
+# through the public constructor. Every round runs each implementation once,
+# in an order rotated from round to round: one that follows another
+# library's parallel region (whose OpenMP workers spin on for a while) is a
+# different one each time. Each reports its best round.
+USER_PARAMS, USER_TENSORS, USER_ROUNDS, USER_THREADS = 50_000_000, 8, 12, 2
+
+
+def _user_params():
+    params = [torch.nn.Parameter(torch.randn(USER_PARAMS // USER_TENSORS))
+              for _ in range(USER_TENSORS)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    return params
+
+
+def _rotated_best(fns: dict, rounds: int) -> dict:
+    import time
+    names = list(fns)
+    best = {name: float("inf") for name in names}
+    for fn in fns.values():
+        fn()
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            start = time.perf_counter()
+            fns[name]()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+@pytest.mark.parametrize("peers", ["torch", "torch+deepspeed"])
+def test_user_setup_interleaved(benchmark, peers):
+    benchmark.group = "adamw-cpu-fp32-user-setup-50M"
+    cpu_adam = deepspeed_cpu_adam_or_skip() if "deepspeed" in peers else None
+    torch_threads, rlhfz_threads = torch.get_num_threads(), rlhfz.get_num_threads()
+    torch.set_num_threads(USER_THREADS)
+    rlhfz.set_num_threads(USER_THREADS)
+    try:
+        opts = {"rlhfz_unchecked": rlhfz.ZeroAdamW(_user_params(), lr=1e-3, nonfinite=None),
+                "rlhfz_checked": rlhfz.ZeroAdamW(_user_params(), lr=1e-3),
+                "torch_fused": torch.optim.AdamW(_user_params(), lr=1e-3, fused=True)}
+        if cpu_adam is not None:
+            opts["deepspeed_cpu_adam"] = cpu_adam(_user_params(), lr=1e-3, adamw_mode=True)
+        clip = {"rlhfz": rlhfz.ZeroAdamW(_user_params(), lr=1e-3),
+                "torch_fused": torch.optim.AdamW(_user_params(), lr=1e-3, fused=True)}
+
+        def fresh(opt):
+            def step():
+                _fresh_grads(opt)    # as a backward would leave them: checked anew
+                opt.step()
+            return step
+
+        def rlhfz_clip_step():
+            _fresh_grads(clip["rlhfz"])
+            clip["rlhfz"].clip_grad_norm_(1.0)
+            clip["rlhfz"].step()
+
+        def torch_clip_step():
+            params = clip["torch_fused"].param_groups[0]["params"]
+            torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+            clip["torch_fused"].step()
+
+        fns = {name: fresh(opt) for name, opt in opts.items()}
+        fns["rlhfz_clip+step"] = rlhfz_clip_step
+        fns["torch_clip+fused_step"] = torch_clip_step
+        best = _rotated_best(fns, USER_ROUNDS)
+        for name, seconds in best.items():
+            benchmark.extra_info[name] = {
+                "ms": round(seconds * 1e3, 2),
+                "GB/s": round(BYTES_PER_PARAM * USER_PARAMS / seconds / 1e9, 2)}
+        for ours in ("rlhfz_unchecked", "rlhfz_checked"):
+            for peer in ("torch_fused", "deepspeed_cpu_adam"):
+                if peer in best:
+                    benchmark.extra_info[f"{ours}_vs_{peer}"] = round(best[peer] / best[ours], 3)
+        benchmark.extra_info["clip+step_vs_torch"] = round(
+            best["torch_clip+fused_step"] / best["rlhfz_clip+step"], 3)
+        benchmark.extra_info["params"] = USER_PARAMS
+        benchmark.extra_info["tensors"] = USER_TENSORS
+        benchmark.extra_info["threads"] = USER_THREADS
+        benchmark.pedantic(fns["rlhfz_checked"], rounds=3, iterations=1)
+    finally:
+        torch.set_num_threads(torch_threads)
+        rlhfz.set_num_threads(rlhfz_threads)

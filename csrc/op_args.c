@@ -206,7 +206,7 @@ int rlhfz_adamw_hparams_from_args(const char *func, PyObject *const *slots, rlhf
     hp->beta2_weight = (float)(1.0 - beta2);
     hp->eps = (float)eps;
     hp->step_size = (float)(lr / bias_correction1);
-    hp->bias_correction2_sqrt = (float)sqrt(bias_correction2);
+    hp->bias_correction2_rsqrt = (float)(1.0 / sqrt(bias_correction2));
     hp->grad_scale = (float)grad_scale;
     hp->maximize = maximize;
     return 0;

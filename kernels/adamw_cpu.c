@@ -8,7 +8,6 @@
  */
 #include "rlhfz_kernels.h"
 
-#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -60,7 +59,7 @@ void rlhfz_adamw_consts_init(rlhfz_adamw_consts *c, const rlhfz_adamw_hparams *h
     c->beta2_weight = hp->beta2_weight;
     c->eps = hp->eps;
     c->step_size = hp->step_size;
-    c->bias_correction2_sqrt = hp->bias_correction2_sqrt;
+    c->bias_correction2_rsqrt = hp->bias_correction2_rsqrt;
 }
 
 static rlhfz_status resolve_level(rlhfz_simd_level asked, rlhfz_simd_level *level)
@@ -114,28 +113,20 @@ rlhfz_status rlhfz_adamw_cpu(const rlhfz_adamw_shard *shard, const rlhfz_adamw_h
 
 typedef double (*sumsq_chunk_fn)(const void *, rlhfz_dtype, size_t, size_t);
 
-/* One partial per range, keyed by where the range begins, so the partials
- * can be added in the same order whichever thread finished first. */
-typedef struct {
-    size_t begin;
-    double sum;
-} sumsq_partial;
-
+/* One partial per range, added in the order of the ranges: the sum is the
+ * same whichever thread ran which range, and with any number of threads. */
 typedef struct {
     const void *x;
     rlhfz_dtype dtype;
     sumsq_chunk_fn chunk;
-    atomic_int count;
-    sumsq_partial partials[RLHFZ_MAX_THREADS];
+    size_t span;
+    double partials[RLHFZ_MAX_RANGES];
 } sumsq_job;
 
 static void sumsq_range(void *ctx, size_t begin, size_t end)
 {
     sumsq_job *job = ctx;
-    double sum = job->chunk(job->x, job->dtype, begin, end);
-    int slot = atomic_fetch_add(&job->count, 1);
-    job->partials[slot].begin = begin;
-    job->partials[slot].sum = sum;
+    job->partials[begin / job->span] = job->chunk(job->x, job->dtype, begin, end);
 }
 
 rlhfz_status rlhfz_sumsq_cpu(const void *x, rlhfz_dtype dtype, size_t n, double *out)
@@ -146,24 +137,16 @@ rlhfz_status rlhfz_sumsq_cpu(const void *x, rlhfz_dtype dtype, size_t n, double 
     if (n == 0)
         return RLHFZ_OK;
 
-    sumsq_job job = {.x = x, .dtype = dtype, .chunk = CHUNK_FOR(sumsq, rlhfz_simd_detect())};
-    atomic_init(&job.count, 0);
-    rlhfz_status status = rlhfz_parallel_for(n, RLHFZ_GRAIN, sumsq_range, &job);
+    sumsq_job job = {.x = x, .dtype = dtype, .chunk = CHUNK_FOR(sumsq, rlhfz_simd_detect()),
+                     .span = rlhfz_parallel_span(n, RLHFZ_GRAIN)};
+    rlhfz_status status = rlhfz_parallel_for_backward(n, RLHFZ_GRAIN, sumsq_range, &job);
     if (status != RLHFZ_OK)
         return status;
 
-    /* add in order of position (insertion sort: a few entries) */
-    int count = atomic_load(&job.count);
-    for (int i = 1; i < count; i++) {
-        sumsq_partial item = job.partials[i];
-        int j = i;
-        for (; j > 0 && job.partials[j - 1].begin > item.begin; j--)
-            job.partials[j] = job.partials[j - 1];
-        job.partials[j] = item;
-    }
+    size_t nranges = n / job.span + (n % job.span != 0);
     double sum = 0.0;
-    for (int i = 0; i < count; i++)
-        sum += job.partials[i].sum;
+    for (size_t i = 0; i < nranges; i++)
+        sum += job.partials[i];
     *out = sum;
     return RLHFZ_OK;
 }

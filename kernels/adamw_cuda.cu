@@ -41,8 +41,8 @@ __device__ __forceinline__ void rlhfz_adamw_element(const rlhfz_adamw_hparams &h
     float v = __fmul_rn(exp_avg_sq, hp.beta2);
     v = __fadd_rn(v, __fmul_rn(__fmul_rn(hp.beta2_weight, g), g));
 
-    /* the bias-corrected step: sqrt(v) / sqrt(1 - beta2^t) + eps */
-    float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), hp.bias_correction2_sqrt), hp.eps);
+    /* the bias-corrected step: sqrt(v) * (1 / sqrt(1 - beta2^t)) + eps, as the CPU takes it */
+    float denom = __fadd_rn(__fmul_rn(__fsqrt_rn(v), hp.bias_correction2_rsqrt), hp.eps);
     p = __fsub_rn(p, __fmul_rn(hp.step_size, __fdiv_rn(m, denom)));
 
     param = p;

@@ -47,7 +47,7 @@ rlhfz_status rlhfz_adamw_reference(const rlhfz_adamw_shard *shard,
         exp_avg_sq = exp_avg_sq + beta2_weight * g * g;
 
         /* the bias-corrected step */
-        float denom = sqrtf(exp_avg_sq) / hp->bias_correction2_sqrt + hp->eps;
+        float denom = sqrtf(exp_avg_sq) * hp->bias_correction2_rsqrt + hp->eps;
         param = param - hp->step_size * (exp_avg / denom);
 
         shard->master[i] = param;

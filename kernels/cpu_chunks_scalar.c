@@ -65,7 +65,7 @@ void rlhfz_adamw_chunk_scalar(const rlhfz_adamw_shard *shard, const rlhfz_adamw_
         v = v + c->beta2_weight * g * g;
 
         /* the bias-corrected step */
-        float denom = sqrtf(v) / c->bias_correction2_sqrt + c->eps;
+        float denom = sqrtf(v) * c->bias_correction2_rsqrt + c->eps;
         p = p - c->step_size * (m / denom);
 
         shard->master[i] = p;

@@ -24,7 +24,7 @@ typedef struct {
     float beta2_weight; /* 1 - beta2 */
     float eps;
     float step_size;
-    float bias_correction2_sqrt;
+    float bias_correction2_rsqrt;
 } rlhfz_adamw_consts;
 
 /* From this many elements up, AdamW writes param_out with non-temporal

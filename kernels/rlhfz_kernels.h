@@ -64,7 +64,8 @@ typedef struct {
     float beta2_weight;          /* 1 - beta2 */
     float eps;
     float step_size;             /* lr / (1 - beta1^t) */
-    float bias_correction2_sqrt; /* sqrt(1 - beta2^t) */
+    float bias_correction2_rsqrt; /* 1 / sqrt(1 - beta2^t): a multiply, where a division
+                                   * would leave the CPU step bound by its divider */
     float grad_scale;            /* the grad is multiplied by this first (1: as is) */
     int maximize;                /* nonzero: ascend, i.e. use -grad */
 } rlhfz_adamw_hparams;

@@ -99,7 +99,7 @@ SIMD_INLINE void store_from_f32(void *x, rlhfz_dtype dtype, size_t i, simd_f32 v
 
 typedef struct {
     simd_f32 grad_scale, decay, beta1_weight, beta2, beta2_weight, eps, step_size,
-        bias_correction2_sqrt;
+        bias_correction2_rsqrt;
 } adamw_vconsts;
 
 /* One vector of the AdamW step; see rlhfz_adamw_chunk_scalar for the plain form. */
@@ -120,7 +120,7 @@ SIMD_INLINE void adamw_vec(const rlhfz_adamw_shard *shard, const adamw_vconsts *
     v = simd_add(v, simd_mul(simd_mul(k->beta2_weight, g), g));
 
     /* the bias-corrected step */
-    simd_f32 denom = simd_add(simd_div(simd_sqrt(v), k->bias_correction2_sqrt), k->eps);
+    simd_f32 denom = simd_add(simd_mul(simd_sqrt(v), k->bias_correction2_rsqrt), k->eps);
     p = simd_sub(p, simd_mul(k->step_size, simd_div(m, denom)));
 
     simd_storeu(shard->master + i, p);
@@ -142,7 +142,7 @@ SIMD_INLINE void adamw_loop(const rlhfz_adamw_shard *shard, const rlhfz_adamw_co
         .beta2_weight = simd_set1(c->beta2_weight),
         .eps = simd_set1(c->eps),
         .step_size = simd_set1(c->step_size),
-        .bias_correction2_sqrt = simd_set1(c->bias_correction2_sqrt),
+        .bias_correction2_rsqrt = simd_set1(c->bias_correction2_rsqrt),
     };
     size_t i = begin;
     for (; i + 4 * W <= end; i += 4 * W) {

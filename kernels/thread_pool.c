@@ -2,8 +2,11 @@
  *
  * Workers are started on first use and restarted only when the thread count
  * changes or after a fork (threads do not survive one). A call allocates
- * nothing: the job is a few fields of the pool, and each worker works out
- * its own range.
+ * nothing: the job is a few fields of the pool and a counter from which
+ * every thread, the caller included, claims its next range. Claiming rather
+ * than a fixed split matters on a small machine: right after torch's or
+ * another OpenMP library's parallel region, its workers spin on a CPU for
+ * milliseconds, and a fixed half of the work on that CPU would finish last.
  *
  * Between calls workers sleep on a condition variable, but they first poll
  * for the next job for up to RLHFZ_POLL_NS, and the caller polls for the
@@ -59,9 +62,10 @@ static struct {
     rlhfz_range_fn fn;
     void *ctx;
     size_t n;
-    size_t grain;
-    size_t nblocks;
-    int nranges;
+    size_t span;
+    size_t nranges;
+    int backward;             /* claim the last range first */
+    atomic_size_t next;       /* the next range to claim */
 } rlhfz_pool = {
     .once = PTHREAD_ONCE_INIT,
     .caller = PTHREAD_MUTEX_INITIALIZER,
@@ -183,23 +187,40 @@ static int poll_until(int (*ready)(unsigned long), unsigned long arg)
 
 /* ---- workers -------------------------------------------------------------- */
 
-/* Range `index` of the current job: whole blocks of grain, spread evenly. */
-static void job_range(int index, size_t *begin, size_t *end)
+size_t rlhfz_parallel_span(size_t n, size_t grain)
 {
-    size_t per = rlhfz_pool.nblocks / (size_t)rlhfz_pool.nranges;
-    size_t extra = rlhfz_pool.nblocks % (size_t)rlhfz_pool.nranges;
-    size_t i = (size_t)index;
-    size_t first = i * per + (i < extra ? i : extra);
-    size_t count = per + (i < extra ? 1 : 0);
-    size_t b = first * rlhfz_pool.grain;
-    size_t e = (first + count) * rlhfz_pool.grain;
-    *begin = b < rlhfz_pool.n ? b : rlhfz_pool.n;
-    *end = e < rlhfz_pool.n ? e : rlhfz_pool.n;
+    if (grain == 0)
+        grain = 1;
+    size_t nblocks = n / grain + (n % grain != 0);
+    size_t blocks = (RLHFZ_MIN_RANGE + grain - 1) / grain;
+    size_t fewest = (nblocks + RLHFZ_MAX_RANGES - 1) / RLHFZ_MAX_RANGES;
+    if (blocks < fewest)
+        blocks = fewest;
+    if (blocks < 1)
+        blocks = 1;
+    return blocks * grain;
+}
+
+/* Claims and runs ranges of the current job until none is left. */
+static void run_claimed_ranges(void)
+{
+    size_t span = rlhfz_pool.span;
+    size_t n = rlhfz_pool.n;
+    for (;;) {
+        size_t k = atomic_fetch_add(&rlhfz_pool.next, 1);
+        if (k >= rlhfz_pool.nranges)
+            return;
+        if (rlhfz_pool.backward)
+            k = rlhfz_pool.nranges - 1 - k;
+        size_t begin = k * span;
+        size_t end = n - begin > span ? begin + span : n;
+        rlhfz_pool.fn(rlhfz_pool.ctx, begin, end);
+    }
 }
 
 static void *worker_main(void *arg)
 {
-    int index = (int)(intptr_t)arg; /* 1..nworkers; the caller runs range 0 */
+    (void)arg;
     unsigned long seen = rlhfz_pool.spawn_generation;
 
     for (;;) {
@@ -215,11 +236,7 @@ static void *worker_main(void *arg)
         /* Every worker reports every job done, even one it has no range
          * in, so none can lag behind and read the next job's fields. */
         seen = atomic_load(&rlhfz_pool.generation);
-        if (index < rlhfz_pool.nranges) {
-            size_t begin, end;
-            job_range(index, &begin, &end);
-            rlhfz_pool.fn(rlhfz_pool.ctx, begin, end);
-        }
+        run_claimed_ranges();
         if (atomic_fetch_sub(&rlhfz_pool.pending, 1) == 1) {
             /* the last one; signal under the lock, so a caller that found
              * pending > 0 under it is already asleep and gets the signal */
@@ -261,7 +278,7 @@ static rlhfz_status start_workers(int count)
     int started = 0;
     while (started < count &&
            pthread_create(&rlhfz_pool.workers[started], NULL, worker_main,
-                          (void *)(intptr_t)(started + 1)) == 0)
+                          NULL) == 0)
         started++;
     pthread_sigmask(SIG_SETMASK, &old, NULL);
 
@@ -273,7 +290,8 @@ static rlhfz_status start_workers(int count)
     return RLHFZ_OK;
 }
 
-rlhfz_status rlhfz_parallel_for(size_t n, size_t grain, rlhfz_range_fn fn, void *ctx)
+static rlhfz_status parallel_for(size_t n, size_t grain, rlhfz_range_fn fn, void *ctx,
+                                 int backward)
 {
     if (!fn)
         return RLHFZ_ERR_INVALID;
@@ -283,13 +301,15 @@ rlhfz_status rlhfz_parallel_for(size_t n, size_t grain, rlhfz_range_fn fn, void 
         grain = 1;
 
     int threads = rlhfz_threads_get();
-    size_t nblocks = n / grain + (n % grain != 0);
-    if (threads <= 1 || n < RLHFZ_PARALLEL_MIN_ELEMENTS || nblocks < 2) {
-        fn(ctx, 0, n);
+    size_t span = rlhfz_parallel_span(n, grain);
+    size_t nranges = n / span + (n % span != 0);
+    if (threads <= 1 || n < RLHFZ_PARALLEL_MIN_ELEMENTS || nranges < 2) {
+        for (size_t k = 0; k < nranges; k++) {
+            size_t begin = (backward ? nranges - 1 - k : k) * span;
+            fn(ctx, begin, n - begin > span ? begin + span : n);
+        }
         return RLHFZ_OK;
     }
-    int nranges = nblocks < (size_t)threads ? (int)nblocks : threads;
-
     pthread_mutex_lock(&rlhfz_pool.caller);
     if (rlhfz_pool.nworkers != threads - 1) {
         stop_workers();
@@ -305,17 +325,16 @@ rlhfz_status rlhfz_parallel_for(size_t n, size_t grain, rlhfz_range_fn fn, void 
     rlhfz_pool.fn = fn;
     rlhfz_pool.ctx = ctx;
     rlhfz_pool.n = n;
-    rlhfz_pool.grain = grain;
-    rlhfz_pool.nblocks = nblocks;
+    rlhfz_pool.span = span;
     rlhfz_pool.nranges = nranges;
+    rlhfz_pool.backward = backward;
+    atomic_store(&rlhfz_pool.next, 0);
     atomic_store(&rlhfz_pool.pending, rlhfz_pool.nworkers);
     atomic_fetch_add(&rlhfz_pool.generation, 1);
     pthread_cond_broadcast(&rlhfz_pool.wake);
     pthread_mutex_unlock(&rlhfz_pool.lock);
 
-    size_t begin, end;
-    job_range(0, &begin, &end);
-    fn(ctx, begin, end);
+    run_claimed_ranges();
 
     /* wait for the workers */
     if (!rlhfz_pool.poll || !poll_until(all_done, 0)) {
@@ -327,4 +346,14 @@ rlhfz_status rlhfz_parallel_for(size_t n, size_t grain, rlhfz_range_fn fn, void 
 
     pthread_mutex_unlock(&rlhfz_pool.caller);
     return RLHFZ_OK;
+}
+
+rlhfz_status rlhfz_parallel_for(size_t n, size_t grain, rlhfz_range_fn fn, void *ctx)
+{
+    return parallel_for(n, grain, fn, ctx, 0);
+}
+
+rlhfz_status rlhfz_parallel_for_backward(size_t n, size_t grain, rlhfz_range_fn fn, void *ctx)
+{
+    return parallel_for(n, grain, fn, ctx, 1);
 }

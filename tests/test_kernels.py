@@ -241,3 +241,34 @@ def test_kernel_threads_release_the_gil():
         t.join()
     assert torch.equal(arrays[0][0], arrays[1][0])
     assert rlhfz.get_num_threads() >= 1
+
+
+@pytest.mark.parametrize("n", [40_001, 1_000_003, 3 * 1024 * 16384 + 77])
+def test_every_thread_count_gives_the_same_bits(n):
+    """Threads claim ranges as they come free, and the cut into ranges
+    depends on n alone: the sum of squares (one partial per range, added in
+    order) and every element of a step are the same with 1, 2, 3 or 7
+    threads, odd tails and cuts of more than the range limit included."""
+    rng = np.random.default_rng(n)
+    x = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+    hp = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=4)
+    before = rlhfz.get_num_threads()
+    sums, steps = [], []
+    try:
+        for threads in (1, 2, 3, 7):
+            rlhfz.set_num_threads(threads)
+            sums.append(_C.sumsq(x))
+            arrays = [x.clone(), x.abs(), x.square(), x.flip(0).clone()]
+            _C.adamw_step(*arrays, **hp)
+            steps.append(arrays[:3])
+    finally:
+        rlhfz.set_num_threads(before)
+    expected = float(np.sum(x.double().numpy() ** 2))
+    assert sums[0] == pytest.approx(expected, rel=1e-12)
+    assert all(s == sums[0] for s in sums), sums
+    for other in steps[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(steps[0], other))
+    # every element was stepped once: the same as a plain one-pass reference
+    ref = [x.clone(), x.abs(), x.square()]
+    _C.adamw_step(*ref, x.flip(0).clone(), simd="reference", **hp)
+    assert all(torch.equal(a, b) for a, b in zip(ref, steps[0]))

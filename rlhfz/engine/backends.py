@@ -55,8 +55,10 @@ class HostBackend:
         _C.adamw_step(*views, step=step, **hparams)
 
     def sumsq(self, views) -> float:
-        """Sum of squares over every view, in double."""
-        return sum(_C.sumsq(view) for view in views)
+        """Sum of squares over every view, in double. Last view first (and
+        each view's ranges last first), so what the step or scale after it
+        reads first is what this pass left in the cache."""
+        return sum(_C.sumsq(view) for view in reversed(views))
 
     def scale_(self, view, factor: float) -> None:
         _C.scale_(view, factor)

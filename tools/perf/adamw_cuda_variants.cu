@@ -223,7 +223,7 @@ int main(int argc, char **argv)
     hp.beta2_weight = 1.0f - 0.999f;
     hp.eps = 1e-8f;
     hp.step_size = 1e-3f / 0.1f;
-    hp.bias_correction2_sqrt = 0.0316227766f;
+    hp.bias_correction2_rsqrt = 31.6227766f;
     hp.grad_scale = 1.0f;
 
     for (size_t n : sizes) {
