@@ -60,7 +60,8 @@ def run(rank, world_size, rounds, name="gpt2-small", budgets=(25, 50, 75)):
     stage3 = opt.stage3
     sizes = [stage3.unit_bytes(i) for i in range(len(stage3.units))]
     total = sum(sizes)
-    root = next(i for i, (module, _) in enumerate(stage3.units) if module is model)
+    # an untied model may have no root unit: its embedding and head are units
+    root = next((i for i, (module, _) in enumerate(stage3.units) if module is model), None)
     shard = sum(b.storage.buffers["param"].nbytes for _, buckets in stage3.units for b in buckets)
     modes = {"unit_by_unit": dict(enabled=False), "full": dict(enabled=True)}
     for q in budgets:
@@ -91,5 +92,5 @@ def run(rank, world_size, rounds, name="gpt2-small", budgets=(25, 50, 75)):
     tokens = spec["batch"] * new_tokens
     return {"tokens_per_s": {k: tokens / statistics.median(v) for k, v in times.items()},
             "peak_bytes": peaks, "model_bytes": total, "shard_bytes": shard,
-            "unit_bytes": max(sizes), "root_bytes": sizes[root],
+            "unit_bytes": max(sizes), "root_bytes": 0 if root is None else sizes[root],
             "export_gbps": exported / export_s / 1e9, "export_bytes": exported}

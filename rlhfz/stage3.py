@@ -43,6 +43,10 @@ def _unit_modules(model: torch.nn.Module, wrap) -> list[torch.nn.Module]:
                       for child in m.children()]
         if not candidates:
             candidates = _by_size(model)
+        else:
+            order = {id(m): i for i, m in enumerate(model.modules())}
+            candidates = sorted(candidates + _large_outside(model, candidates),
+                                key=lambda m: order[id(m)])
     units, inside = [], set()
     for module in candidates:                    # nested candidates join their outer unit
         if id(module) in inside:
@@ -50,6 +54,18 @@ def _unit_modules(model: torch.nn.Module, wrap) -> list[torch.nn.Module]:
         units.append(module)
         inside.update(id(m) for m in module.modules())
     return units
+
+
+def _large_outside(model: torch.nn.Module, blocks: list) -> list[torch.nn.Module]:
+    """Modules outside the blocks that hold at least a block's worth of
+    params themselves: an untied embedding and LM head. In the root unit
+    they would be whole for every forward, each making the root too big for
+    a generation budget that could hold either alone. A param two of them
+    share (tied weights) still goes to the root."""
+    largest = max(_numel(b) for b in blocks)
+    inside = {id(m) for b in blocks for m in b.modules()}
+    return [m for m in model.modules() if m is not model and id(m) not in inside
+            and sum(p.numel() for p in m.parameters(recurse=False)) >= largest]
 
 
 def _numel(module: torch.nn.Module) -> int:

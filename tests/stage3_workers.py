@@ -13,7 +13,8 @@ VOCAB = 97
 
 def tiny_lm(kind: str, seed: int = 0):
     """A 4-block GPT-2 or Llama-style causal LM built from a config (no
-    downloads), with tied input and output embeddings."""
+    downloads), with tied input and output embeddings; "llama-untied": apart,
+    and each bigger than a block (so each is a unit of its own)."""
     import transformers
     transformers.logging.set_verbosity_error()
     torch.manual_seed(seed)
@@ -22,10 +23,12 @@ def tiny_lm(kind: str, seed: int = 0):
                                          n_positions=64, bos_token_id=0, eos_token_id=0,
                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         return transformers.GPT2LMHeadModel(config)
+    untied = kind == "llama-untied"
     config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                                       num_attention_heads=4, num_key_value_heads=2,
-                                      vocab_size=VOCAB, max_position_embeddings=64,
-                                      tie_word_embeddings=True, bos_token_id=0, eos_token_id=0)
+                                      vocab_size=320 if untied else VOCAB,
+                                      max_position_embeddings=64, tie_word_embeddings=not untied,
+                                      bos_token_id=0, eos_token_id=0)
     return transformers.LlamaForCausalLM(config)
 
 

@@ -27,7 +27,7 @@ def _reference_training(kind, steps, checkpointing=False):
 
 
 @pytest.mark.parametrize("kind, world_size", [("gpt2", 2), ("gpt2", 3), ("llama", 2),
-                                              ("llama", 3)])
+                                              ("llama", 3), ("llama-untied", 2)])
 def test_generation_is_identical_in_every_mode(kind, world_size):
     reference = workers.greedy(workers.tiny_lm(kind).eval())
     results = run_ranks(workers.generation_modes, world_size, kind)
@@ -91,8 +91,9 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("kind, world_size, checkpointing, options", [
     ("gpt2", 2, False, None), ("llama", 3, True, None),
     ("gpt2", 2, False, {"offload": "cpu", "offload_ratio": 0.5}),
-    ("llama", 3, True, {"bucket_bytes": 4096})],
-    ids=["gpt2-2", "llama-3-checkpointing", "gpt2-2-host-state", "llama-3-pieces"])
+    ("llama", 3, True, {"bucket_bytes": 4096}), ("llama-untied", 2, False, None)],
+    ids=["gpt2-2", "llama-3-checkpointing", "gpt2-2-host-state", "llama-3-pieces",
+         "llama-untied-2"])
 def test_training_matches_single_process_adamw(kind, world_size, checkpointing, options):
     """50 steps, tied embeddings, clipping; Llama with gradient checkpointing;
     with half of each shard's optimizer state on the host; and with a 4 KiB
@@ -190,6 +191,22 @@ def test_units_follow_blocks_sizes_or_classes():
     assert [m for m, _ in units] == list(mlp)
     with pytest.raises(ValueError, match="wrap must be a list of nn.Module classes"):
         assign_params(mlp, ["Linear"], 0, list(mlp.parameters()))
+
+
+def test_an_untied_embedding_and_head_bigger_than_a_block_are_units():
+    """Each in its registration place; tied, the weight stays in the root."""
+    from rlhfz.stage3 import assign_params
+    model = workers.tiny_lm("llama-untied")
+    units, _ = assign_params(model, None, 64, list(model.parameters()))
+    modules = [m for m, _ in units]
+    inner = model.model
+    assert modules == [inner.embed_tokens, *inner.layers, model.lm_head]
+    assert [p for p in dict(units)[model.lm_head]] == [model.lm_head.weight]
+    tied = workers.tiny_lm("llama-untied")
+    tied.lm_head.weight = tied.model.embed_tokens.weight
+    units, _ = assign_params(tied, None, 64, list(tied.parameters()))
+    assert [m for m, _ in units] == [*tied.model.layers, tied]
+    assert dict(units)[tied][0] is tied.lm_head.weight
 
 
 def test_gather_for_generation_is_a_no_op_below_stage_3_and_checks_its_arguments():
