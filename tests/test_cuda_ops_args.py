@@ -9,6 +9,7 @@ of real device memory, and on the simulator valid arguments over host
 memory go as far as the launch, which refuses them. The kernels themselves
 are tested in test_cuda_kernels.py.
 """
+import math
 import struct
 
 import numpy as np
@@ -270,14 +271,14 @@ def test_host_producers_are_not_given_a_stream():
 def test_hparams_bytes_hold_what_the_kernels_use():
     packed = _C.adamw_hparams_bytes(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
                                     weight_decay=0.1, step=3, maximize=True, grad_scale=0.5)
-    decay, beta1_weight, beta2, beta2_weight, eps, step_size, bc2_sqrt, grad_scale, maximize = \
+    decay, beta1_weight, beta2, beta2_weight, eps, step_size, bc2_rsqrt, grad_scale, maximize = \
         struct.unpack("8fi", packed)
     f32 = lambda x: struct.unpack("f", struct.pack("f", x))[0]   # noqa: E731
     assert decay == f32(1 - 1e-3 * 0.1)
     assert beta1_weight == f32(1 - 0.9) and beta2 == f32(0.999) and beta2_weight == f32(1 - 0.999)
     assert eps == f32(1e-8)
     assert step_size == f32(1e-3 / (1 - 0.9 ** 3))
-    assert bc2_sqrt == f32((1 - 0.999 ** 3) ** 0.5)
+    assert bc2_rsqrt == f32(1 / math.sqrt(1 - 0.999 ** 3))
     assert grad_scale == 0.5 and maximize == 1
     with pytest.raises(TypeError, match="missing required argument 'lr'"):
         _C.adamw_hparams_bytes(beta1=0.9)
