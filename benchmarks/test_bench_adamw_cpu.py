@@ -149,14 +149,11 @@ def test_bf16_torch_fused_fp32_master(benchmark, size):
 # clip reads the grads once (in fp64, which also proves them finite, so the
 # step skips its own check) and scales them in place; torch's clip is a
 # foreach norm and a foreach multiply, then the fused step.
-def _clip_steps(n):
-    """(rlhfz clip+step, torch clip+fused step) over fresh n-param models."""
-    ours_param = torch.nn.Parameter(torch.randn(n))
-    ours = rlhfz.ZeroAdamW([ours_param], lr=1e-3)
-    ours_param.grad = torch.randn(n)
-    ref_param = torch.nn.Parameter(torch.randn(n))
-    ref = torch.optim.AdamW([ref_param], lr=1e-3, fused=True)
-    ref_param.grad = torch.randn(n)
+def _clip_steps(make_params):
+    """(rlhfz clip+step, torch clip+fused step), each over its own params
+    from make_params() (with grads)."""
+    ours = rlhfz.ZeroAdamW(make_params(), lr=1e-3)
+    ref = torch.optim.AdamW(make_params(), lr=1e-3, fused=True)
 
     def ours_step():
         _fresh_grads(ours)
@@ -165,38 +162,50 @@ def _clip_steps(n):
 
     def ref_step():
         _fresh_grads(ref)
-        torch.nn.utils.clip_grad_norm_([ref_param], 1.0)
+        torch.nn.utils.clip_grad_norm_(ref.param_groups[0]["params"], 1.0, foreach=True)
         ref.step()
 
     return ours_step, ref_step
+
+
+def _one_param(n):
+    def make():
+        param = torch.nn.Parameter(torch.randn(n))
+        param.grad = torch.randn(n)
+        return [param]
+    return make
 
 
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("impl", ["rlhfz", "torch_fused"])
 def test_clip_step(benchmark, size, impl):
     benchmark.group = f"adamw-cpu-fp32-clip+step-{size}"
-    ours_step, ref_step = _clip_steps(SIZES[size])
+    ours_step, ref_step = _clip_steps(_one_param(SIZES[size]))
     _run(benchmark, ours_step if impl == "rlhfz" else ref_step, size)
     benchmark.extra_info["params"] = SIZES[size]
 
 
 # ---- interleaved comparisons ------------------------------------------------
 # On a shared machine, load drifts between tests by 10-20%. Here every
-# implementation runs once per round, in turn, so drift hits all alike; each
-# reports its best round. The timed call (what pytest-benchmark shows) is
-# rlhfz's default step; the full comparison is in extra_info.
+# implementation runs once per round, so drift hits all alike, in an order
+# rotated from round to round: the one that follows another library's
+# parallel region (whose OpenMP workers spin on for a while) is a different
+# one each time. Each reports its best round. The timed call (what
+# pytest-benchmark shows) is rlhfz's default step; the full comparison is in
+# extra_info.
 INTERLEAVED_ROUNDS = {"10M": 40, "100M": 12}
 
 
 def _interleaved_best(fns: dict, rounds: int) -> dict:
     import time
-    best = {name: float("inf") for name in fns}
+    names = list(fns)
+    best = {name: float("inf") for name in names}
     for fn in fns.values():
         fn()
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
             start = time.perf_counter()
-            fn()
+            fns[name]()
             best[name] = min(best[name], time.perf_counter() - start)
     return best
 
@@ -259,7 +268,7 @@ def test_bf16_interleaved(benchmark, size):
 @pytest.mark.parametrize("size", SIZES)
 def test_clip_step_interleaved(benchmark, size):
     benchmark.group = f"adamw-cpu-fp32-clip+step-interleaved-{size}"
-    ours_step, ref_step = _clip_steps(SIZES[size])
+    ours_step, ref_step = _clip_steps(_one_param(SIZES[size]))
     best = _interleaved_best({"rlhfz": ours_step, "torch_fused": ref_step},
                              INTERLEAVED_ROUNDS[size])
     for name, seconds in best.items():
@@ -271,10 +280,7 @@ def test_clip_step_interleaved(benchmark, size):
 # ---- a training script's setup -----------------------------------------------
 # What a user's model hands the optimizer: several nn.Parameters, each with
 # its own torch-allocated grad (moved into rlhfz's buckets on the first step),
-# through the public constructor. Every round runs each implementation once,
-# in an order rotated from round to round: one that follows another
-# library's parallel region (whose OpenMP workers spin on for a while) is a
-# different one each time. Each reports its best round.
+# through the public constructor.
 USER_PARAMS, USER_TENSORS, USER_ROUNDS, USER_THREADS = 50_000_000, 8, 12, 2
 
 
@@ -284,20 +290,6 @@ def _user_params():
     for p in params:
         p.grad = torch.randn_like(p)
     return params
-
-
-def _rotated_best(fns: dict, rounds: int) -> dict:
-    import time
-    names = list(fns)
-    best = {name: float("inf") for name in names}
-    for fn in fns.values():
-        fn()
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            start = time.perf_counter()
-            fns[name]()
-            best[name] = min(best[name], time.perf_counter() - start)
-    return best
 
 
 @pytest.mark.parametrize("peers", ["torch", "torch+deepspeed"])
@@ -313,8 +305,6 @@ def test_user_setup_interleaved(benchmark, peers):
                 "torch_fused": torch.optim.AdamW(_user_params(), lr=1e-3, fused=True)}
         if cpu_adam is not None:
             opts["deepspeed_cpu_adam"] = cpu_adam(_user_params(), lr=1e-3, adamw_mode=True)
-        clip = {"rlhfz": rlhfz.ZeroAdamW(_user_params(), lr=1e-3),
-                "torch_fused": torch.optim.AdamW(_user_params(), lr=1e-3, fused=True)}
 
         def fresh(opt):
             def step():
@@ -322,20 +312,9 @@ def test_user_setup_interleaved(benchmark, peers):
                 opt.step()
             return step
 
-        def rlhfz_clip_step():
-            _fresh_grads(clip["rlhfz"])
-            clip["rlhfz"].clip_grad_norm_(1.0)
-            clip["rlhfz"].step()
-
-        def torch_clip_step():
-            params = clip["torch_fused"].param_groups[0]["params"]
-            torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
-            clip["torch_fused"].step()
-
         fns = {name: fresh(opt) for name, opt in opts.items()}
-        fns["rlhfz_clip+step"] = rlhfz_clip_step
-        fns["torch_clip+fused_step"] = torch_clip_step
-        best = _rotated_best(fns, USER_ROUNDS)
+        fns["rlhfz_clip+step"], fns["torch_clip+fused_step"] = _clip_steps(_user_params)
+        best = _interleaved_best(fns, USER_ROUNDS)
         for name, seconds in best.items():
             benchmark.extra_info[name] = {
                 "ms": round(seconds * 1e3, 2),

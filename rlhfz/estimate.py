@@ -9,7 +9,7 @@ assumed; a param above the cap goes through the slots in pieces). Padding
 """
 from __future__ import annotations
 
-from .engine.layout import stage2_bucket_bytes
+from .engine.layout import MIN_BUCKET_BYTES, stage2_bucket_bytes
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -25,8 +25,8 @@ def estimate_bytes(params: int, world_size: int = 1, stage: int = 2,
         raise ValueError(f"param_dtype must be one of {sorted(_ITEMSIZE)}")
     if not 0.0 <= offload_ratio <= 1.0:
         raise ValueError("offload_ratio must be in [0, 1]")
-    if bucket_bytes is not None and bucket_bytes < 4096:
-        raise ValueError("bucket_bytes must be at least 4096")
+    if bucket_bytes is not None and bucket_bytes < MIN_BUCKET_BYTES:
+        raise ValueError(f"bucket_bytes must be at least {MIN_BUCKET_BYTES}")
     itemsize = _ITEMSIZE[param_dtype]
     per_rank = -(-params // world_size)
     grads = params * itemsize if stage < 2 else per_rank * itemsize

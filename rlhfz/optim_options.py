@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .engine import DTYPE_NAMES
+from .engine import DTYPE_NAMES, MIN_BUCKET_BYTES
 
 
 def _number(name: str, value) -> float:
@@ -92,9 +92,9 @@ def check_engine_options(stage, offload, offload_ratio, pin_memory, nonfinite,
         raise ValueError(f"collectives must be 'torch' or 'nccl', not {collectives!r}")
     if bucket_bytes is not None and not (isinstance(bucket_bytes, int) and
                                          not isinstance(bucket_bytes, bool) and
-                                         bucket_bytes >= 4096):
+                                         bucket_bytes >= MIN_BUCKET_BYTES):
         raise ValueError(f"bucket_bytes must be None (32 MiB, at most an eighth of a param "
-                         f"group) or an int >= 4096, not {bucket_bytes!r}")
+                         f"group) or an int >= {MIN_BUCKET_BYTES}, not {bucket_bytes!r}")
 
 
 def check_params(tensors: list, device: torch.device, groups) -> None:

@@ -17,14 +17,15 @@ from .bucket import Bucket
 from .engine import BucketPlan, ShardEngine
 from .frozen_bucket import FrozenBucket
 from .host_memory import PinnedPool, host_buffer, pin_budget, release_pinned
-from .layout import (ALIGN_BYTES, BucketLayout, ShardLayout, Slot, most_per_rank, plan_bucket,
-                     rank_range, shard_owner, shard_size, split_by_bytes, stage2_bucket_bytes)
+from .layout import (ALIGN_BYTES, MIN_BUCKET_BYTES, BucketLayout, ShardLayout, Slot,
+                     most_per_rank, plan_bucket, rank_range, shard_owner, shard_size,
+                     split_by_bytes, stage2_bucket_bytes)
 from .state import STATE_NAMES, ShardState
 from .storage import REGIONS, FlatStorage
 
 __all__ = ["ALIGN_BYTES", "Bucket", "BucketLayout", "BucketPlan", "CudaBackend", "DTYPE_NAMES",
-           "FlatStorage", "FrozenBucket", "HostBackend", "PinnedPool", "REGIONS", "STATE_NAMES",
-           "ShardEngine", "ShardLayout", "ShardState", "SimulatedCudaBackend", "Slot",
-           "backend_for", "host_buffer", "most_per_rank", "pin_budget", "plan_bucket", "rank_range",
-           "release_pinned", "shard_owner", "shard_size", "split_by_bytes",
-           "stage2_bucket_bytes", "torch_view"]
+           "FlatStorage", "FrozenBucket", "HostBackend", "MIN_BUCKET_BYTES", "PinnedPool",
+           "REGIONS", "STATE_NAMES", "ShardEngine", "ShardLayout", "ShardState",
+           "SimulatedCudaBackend", "Slot", "backend_for", "host_buffer", "most_per_rank",
+           "pin_budget", "plan_bucket", "rank_range", "release_pinned", "shard_owner",
+           "shard_size", "split_by_bytes", "stage2_bucket_bytes", "torch_view"]

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 ALIGN_BYTES = 64
+# the smallest bucket_bytes= taken: one page
+MIN_BUCKET_BYTES = 4096
 
 
 def stage2_bucket_bytes(group_bytes: int, bucket_bytes: int | None = None) -> int:
