@@ -3,8 +3,8 @@
 The same accounting as ZeroAdamW.memory_report(): params and grads in the
 param dtype, fp32 master weights only for 16-bit params, two fp32 moments.
 Stage 2 grads across ranks are the shard plus the reducer's staging: two
-slots of the bucket cap and a slot's shard of scratch (one param group
-assumed; a param above the cap goes through the slots in pieces). Padding
+slots of the bucket cap (one param group assumed; a param above the cap goes
+through the slots in pieces). Padding
 (at most one alignment unit per bucket) is left out.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ def estimate_bytes(params: int, world_size: int = 1, stage: int = 2,
     grads = params * itemsize if stage < 2 else per_rank * itemsize
     if stage == 2 and world_size > 1:
         bucket = min(stage2_bucket_bytes(params * itemsize, bucket_bytes), params * itemsize)
-        grads += 2 * bucket + -(-bucket // world_size)
+        grads += 2 * bucket
     full = {
         "params": params * itemsize if stage < 3 else per_rank * itemsize,
         "grads": grads,

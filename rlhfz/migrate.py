@@ -149,6 +149,8 @@ def offload_engine(engine, what=KINDS, to="cpu", path=None, non_blocking=False,
     kinds = check_what(what)
     check_target(to, path)
     engine.flush_grads()       # no collective may still read or write grads
+    if "grads" in kinds:
+        engine.settle_grads()  # a folded clip goes into grads before they leave
     allocate = _allocator(to, path, pin_memory)
     move_buckets(engine, kinds, lambda region, nbytes: allocate(nbytes), to=to,
                  non_blocking=non_blocking)

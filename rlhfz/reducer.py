@@ -11,8 +11,10 @@ micro-batches add into that shard: accumulation needs no full-size memory.
 Staging is two slots of at most the bucket cap (bucket_bytes), whatever the
 largest bucket: a bucket above the cap (a param larger than it: a big
 embedding; a stage 3 unit) keeps its params' grads as autograd made them
-until its turn, then reduce-scatters them in pieces through the slots. So
-the reducer's memory is about two caps and a cap's shard of scratch.
+until its turn, then reduce-scatters them in pieces through the slots. A
+later micro-batch reduces in place (this rank's range of the staged grads
+receives the mean, NCCL's in-place form) and adds that into the shard, so
+the reducer's memory is two slots: at most two caps.
 
 Every rank must issue the same collectives in the same order, whatever order
 its grads arrive in, so buckets are launched in descending index (the order
@@ -24,8 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .engine import (DTYPE_NAMES, Bucket, most_per_rank, rank_range, stage2_bucket_bytes,
-                     torch_view)
+from .engine import DTYPE_NAMES, Bucket, rank_range, stage2_bucket_bytes, torch_view
 
 
 class _Progress:
@@ -62,7 +63,6 @@ class GradReducer:
         self._slot_work: dict[tuple, object] = {}
         self._slot_owner: dict[tuple, Bucket] = {}
         self._pending = []                # (work, tensor kept alive until it is done)
-        self._scratch: dict[torch.dtype, torch.Tensor] = {}
         self._round_open = False
         self._next = -1
         self.bucket_bytes = bucket_bytes  # ZeroAdamW's option (None: the default cap)
@@ -70,6 +70,8 @@ class GradReducer:
         # go), and when backward is over
         self.on_staged = None
         self.after_flush = None
+        # the engine: a clip not yet applied goes into the grads before more come
+        self.before_new_grads = None
 
     def _of(self, bucket: Bucket) -> _Progress:
         progress = self._progress.get(bucket)
@@ -94,26 +96,22 @@ class GradReducer:
     # ---- memory -------------------------------------------------------------------
 
     def reserve(self) -> None:
-        """Sizes the staging slots and the accumulation scratch for the
-        largest bucket of each dtype, up to the cap (called when buckets are
-        added); buckets above it go in pieces of a slot each."""
+        """Sizes the staging slots for the largest bucket of each dtype, up
+        to the cap (called when buckets are added); buckets above it go in
+        pieces of a slot each."""
         for dtype in DTYPE_NAMES:
             members = [b for b in self.buckets if b.reduce_dtype == dtype]
             if not members:
                 continue
             numel = self._slot_numel(dtype)
-            shard = most_per_rank(numel, members[0].world_size)
             have = self._staging.get(dtype)
-            if have is not None and have[0].numel() >= numel and \
-                    self._scratch[dtype].numel() >= shard:
+            if have is not None and have[0].numel() >= numel:
                 continue
             self.wait_all()
             itemsize = torch.empty((), dtype=dtype).element_size()
-            buffers = [self.backend.buffer(size * itemsize) for size in (numel, numel, shard)]
-            tensors = [torch_view(b.view(DTYPE_NAMES[dtype])) for b in buffers]
+            buffers = [self.backend.buffer(numel * itemsize) for _ in range(2)]
             self._staging_buffers[dtype] = buffers      # the smaller ones are freed
-            self._staging[dtype] = tensors[:2]
-            self._scratch[dtype] = tensors[2]
+            self._staging[dtype] = [torch_view(b.view(DTYPE_NAMES[dtype])) for b in buffers]
 
     def _slot_numel(self, dtype: torch.dtype) -> int:
         """A staging slot: the largest bucket of the dtype, at most the cap
@@ -136,18 +134,18 @@ class GradReducer:
         self.flush()
         self._staging.clear()
         self._staging_buffers.clear()
-        self._scratch.clear()
         self._slot_owner.clear()
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for ts in self._staging.values() for t in ts) + \
-            sum(t.numel() * t.element_size() for t in self._scratch.values())
+        return sum(t.numel() * t.element_size() for ts in self._staging.values() for t in ts)
 
     # ---- backward -------------------------------------------------------------------
 
     def _open_round(self) -> None:
         if self._round_open:
             return
+        if self.before_new_grads is not None:
+            self.before_new_grads()
         self._round_open = True
         self._next = len(self.buckets) - 1
         for bucket in self.buckets:
@@ -244,10 +242,8 @@ class GradReducer:
                 self._slot_work[slot] = work
             progress.accumulated = True
             return
-        # A later micro-batch: reduce into scratch, then add into the shard.
-        scratch = self._scratch[bucket.reduce_dtype][:bucket.layout.shard_numel]
-        self.comm.reduce_scatter(scratch, flat)
-        bucket.flat_grad_shard.add_(scratch)
+        # A later micro-batch: reduce in place, then add into the shard.
+        _reduce_and_add(self.comm, bucket, flat, bucket.flat_grad_shard)
 
     def _launch_pieces(self, bucket: Bucket, progress: _Progress) -> None:
         """Reduce-scatters a bucket above the cap from its held grads: for
@@ -270,9 +266,7 @@ class GradReducer:
                 _pack(flat[start:stop], held, bucket.layout, rank_range(rank, shard)[0] + lo)
             target = bucket.flat_grad_shard[lo:hi]
             if accumulate:
-                scratch = self._scratch[dtype][:hi - lo]
-                self.comm.reduce_scatter(scratch, flat)
-                target.add_(scratch)
+                _reduce_and_add(self.comm, bucket, flat, target)
                 continue
             work = self.comm.reduce_scatter(target, flat, async_op=True)
             if slot is None:
@@ -344,6 +338,15 @@ class GradReducer:
             progress = self._of(bucket)
             progress.arrived = [False] * len(bucket.params)
             progress.accumulated = False
+
+
+def _reduce_and_add(comm, bucket: Bucket, flat: torch.Tensor, target: torch.Tensor) -> None:
+    """target += the mean over ranks of this rank's range of flat. The mean
+    lands in that range of flat itself, so no memory is set aside for it."""
+    lo, hi = rank_range(bucket.shard.rank, target.numel())
+    mine = flat[lo:hi]
+    comm.reduce_scatter(mine, flat)
+    target.add_(mine)
 
 
 def _pack(out: torch.Tensor, held: dict, layout, start: int) -> None:

@@ -442,3 +442,46 @@ def _train_clipped(model, opt, data, rank, world_size, norm_type):
         norms.append(float(opt.clip_grad_norm_(0.05, norm_type=norm_type)))
         opt.step()
     return norms
+
+
+def clip_sequence(rank, world_size, stage, bucket_bytes):
+    """Clips whose factor the step folds in, mixed with what must see the
+    clipped grads: a second clip, more grads (first ones for some params,
+    added ones for others), a step without new grads, a clip after a step.
+    Returns every norm and the final params (see clip_sequence_reference)."""
+    model = make_model()
+    opt = rlhfz.ZeroAdamW(model, lr=1e-3, stage=stage, bucket_bytes=bucket_bytes)
+    return _clip_sequence(model, opt, rank, world_size)
+
+
+def clip_sequence_reference():
+    model = make_model()
+    return _clip_sequence(model, torch.optim.AdamW(model.parameters(), lr=1e-3), 0, 1)
+
+
+def _clip_sequence(model, opt, rank, world_size):
+    per_rank = GLOBAL_BATCH // world_size
+    data = [(x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank])
+            for x, y in batches(3, seed=5)]
+    if isinstance(opt, torch.optim.AdamW):
+        def clip(max_norm):
+            return float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+    else:
+        def clip(max_norm):
+            return float(opt.clip_grad_norm_(max_norm))
+    norms = []
+    x, _ = data[0]
+    model[0](x).pow(2).mean().backward()     # the first layer only
+    norms += [clip(0.1), clip(0.05)]
+    x, y = data[1]
+    torch.nn.functional.mse_loss(model(x), y).backward()    # added to the clipped grads
+    norms.append(clip(0.2))
+    opt.step()
+    opt.step()                                # the same clipped grads again
+    norms.append(clip(0.02))                  # what the steps left
+    opt.zero_grad()
+    x, y = data[2]
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    norms.append(clip(0.3))
+    opt.step()
+    return {"norms": norms, "params": [p.detach().clone() for p in model.parameters()]}

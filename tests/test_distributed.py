@@ -134,16 +134,16 @@ def test_a_collective_left_in_flight_is_finished_before_exit():
 
 
 def test_stage2_holds_no_full_grads():
-    """Stage 2 keeps grad shards, two staging slots of at most the bucket cap
-    (a larger param goes through them in pieces) and a slot's shard of
-    scratch: never the model's full grads."""
+    """Stage 2 keeps grad shards and two staging slots of at most the bucket
+    cap (a larger param goes through them in pieces): never the model's full
+    grads."""
     cap = 16 << 10
     results = run_ranks(workers.stage_parity, 2, 2, None, 2, 1, cap)
     for result in results:
         grads = result["report"]["grads"]["host"]
         assert result["max_bucket_bytes"] > cap          # the first weight: pieced
         slot = min(result["max_bucket_bytes"], cap) // 4
-        expected = result["shard_grad_bytes"] + (2 * slot + -(-slot // 2)) * 4
+        expected = result["shard_grad_bytes"] + 2 * slot * 4
         assert grads == expected, (grads, expected)
         assert result["shard_grad_bytes"] <= 1.02 * 4 * result["numel"] / 2 + 64 * result["buckets"]
 
@@ -363,3 +363,17 @@ def test_a_group_added_after_construction_trains_as_torch_at_every_stage(stage, 
             torch.testing.assert_close(value, params[name].detach(), rtol=2e-4, atol=2e-5)
         for ours, theirs in zip(result["norms"], norms):
             assert ours == pytest.approx(theirs, rel=1e-4)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_clip_folded_into_the_step_is_the_clip_torch_makes(world_size, stage):
+    """Stages 2 and 3 apply a clip as the step reads the grads (param.grad is
+    None there); a second clip, further grads, a step without new grads and
+    a clip after the step all see the grads clipped, as torch's do."""
+    expected = workers.clip_sequence_reference()
+    for result in run_ranks(workers.clip_sequence, world_size, stage, 4 << 10):
+        torch.testing.assert_close(torch.tensor(result["norms"]),
+                                   torch.tensor(expected["norms"]), rtol=1e-5, atol=0)
+        for got, want in zip(result["params"], expected["params"]):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)

@@ -317,14 +317,13 @@ def test_cli_estimate_puts_the_offload_ratio_on_the_host():
 
 
 def test_cli_estimate_follows_bucket_bytes():
-    """Stage 2 grads: the shard, two staging slots of the cap and a slot's
-    shard of scratch."""
+    """Stage 2 grads: the shard and two staging slots of the cap."""
     from rlhfz.estimate import estimate_bytes
     shard = 1_000_000 * 4 // 2
     for cap in (8 << 20, 32 << 20):
         grads = estimate_bytes(1_000_000 * 16, world_size=2, stage=2, param_dtype="float32",
                                bucket_bytes=cap)["grads"]["device"]
-        assert grads == 16 * shard + 2 * cap + cap // 2
+        assert grads == 16 * shard + 2 * cap
 
 
 def test_cli_info_names_torch():

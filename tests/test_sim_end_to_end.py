@@ -1,6 +1,7 @@
 """The optimizer on the simulated device, end to end, against the same run on
 the CPU: training at stages 0 to 3 on 1 to 3 gloo ranks (the stage-2
-reduce-scatter overlapping backward), offload to pinned memory and to disk
+reduce-scatter overlapping backward; two micro-batches and a clip per step),
+offload to pinned memory and to disk
 and back, partial host-resident state, gather-for-generation in all three
 modes, and a checkpoint saved and resumed. The CUDA kernels compiled for the
 host compute what the CPU's SIMD kernels do, so every param must match bit

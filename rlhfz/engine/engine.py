@@ -71,10 +71,16 @@ class ShardEngine:
         self.held_elsewhere: list = []            # (kind, weakref to a Buffer) still viewed
         self._host = HostBackend()
         self._finite_versions: tuple[int, ...] | None = None
+        # A clip not yet applied to grads only rlhfz can read (the reducer's
+        # shards): (plans, factor). The step folds the factor into its grad
+        # scale; anything else that reads or adds to those grads applies it
+        # first (settle_grads), as does the reducer before new grads come.
+        self._pending_clip: tuple[list, float] | None = None
 
     def use_reducer(self, reducer) -> None:
         """Grads go to the reducer from now on (before any bucket exists)."""
         self.reducer = reducer
+        reducer.before_new_grads = self.settle_grads
 
     # ---- building buckets ---------------------------------------------------------
 
@@ -141,6 +147,7 @@ class ShardEngine:
 
     def zero_grads(self, set_to_none: bool) -> None:
         self._finite_versions = None
+        self._pending_clip = None        # the grads it scaled are gone
         if self.reducer is not None:
             self.reducer.zero()          # stage 2 holds no full grads: the shards start over
         for bucket in self.buckets:
@@ -244,14 +251,24 @@ class ShardEngine:
         return [p.bucket.grad_shard_kview_range(lo, hi)
                 for p in plans for _, _, lo, hi in p.segments]
 
+    def settle_grads(self) -> None:
+        """Applies a clip the step has not folded in yet to the grads."""
+        pending, self._pending_clip = self._pending_clip, None
+        if pending is not None:
+            plans, factor = pending
+            for view in self._grad_views(plans):
+                self.backend.scale_(view, factor)
+
     def sumsq(self, plans) -> float:
         """Sum of squares of every (reduced) grad, over all ranks."""
+        self.settle_grads()
         total = self.backend.sumsq(self._grad_views(plans))
         if self.comm is not None:
             total = self.comm.all_reduce_sum_host(total)
         return total
 
     def scale_grads(self, plans, factor: float) -> None:
+        self.settle_grads()
         for view in self._grad_views(plans):
             self.backend.scale_(view, factor)
 
@@ -262,6 +279,7 @@ class ShardEngine:
         the same shard ranges (their zero padding changes no such norm)."""
         if norm_type == 2.0:
             return math.sqrt(self.sumsq(plans))
+        self.settle_grads()
         if not (norm_type > 0 or norm_type == math.inf):
             raise ValueError(f"norm_type must be > 0 or inf, not {norm_type}: a norm of the "
                              f"shards with zero padding would differ from torch's")
@@ -282,7 +300,12 @@ class ShardEngine:
     def clip(self, plans, total: float, max_norm: float) -> None:
         """Scales grads of global 2-norm `total` to at most max_norm."""
         coef = max_norm / (total + 1e-6)
-        if coef < 1.0:
+        if coef < 1.0 and self.reducer is not None and math.isfinite(total):
+            # Only rlhfz reads these grads (param.grad is None): the step
+            # multiplies by coef as it reads them, which saves a pass that
+            # reads and writes every grad.
+            self._pending_clip = (plans, coef)
+        elif coef < 1.0:
             self.scale_grads(plans, coef)
         # The C kernels leave torch's version counters alone, so these record
         # the grads exactly as checked: an unchanged step skips its own check.
@@ -296,6 +319,7 @@ class ShardEngine:
     def nonfinite(self, plans) -> list[tuple[Bucket, int]]:
         """(bucket, index) of the params whose grads hold NaN or Inf (the
         slow path, after a failed check)."""
+        self.settle_grads()
         bad = []
         for plan in plans:
             bucket = plan.bucket
@@ -312,6 +336,9 @@ class ShardEngine:
         """One AdamW step of every planned bucket (hparams: per param group,
         the kernels' keywords), then the new params to every rank."""
         gathers = []
+        factor = 1.0 if self._pending_clip is None else self._pending_clip[1]
+        if factor != 1.0:
+            hparams = [dict(hp, grad_scale=factor) for hp in hparams]
         # Host parts' grads come over first, so the backend kernels launched
         # next run while the CPU kernels step the host parts.
         for plan in plans:
