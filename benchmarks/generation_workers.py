@@ -16,6 +16,10 @@ MODELS = {
                          batch=4, prompt=16, new_tokens=24),
 }
 BUDGETS = (0, 25, 50, 75, 100)
+# fp32 and no optimizer: DeepSpeed then builds only ZeRO-3's param partitioning
+# and its gather hooks. The threshold is rlhfz's below; both count elements.
+DEEPSPEED_CONFIG = {"train_micro_batch_size_per_gpu": 1,
+                    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1000}}
 
 
 def make_model(name):
@@ -46,9 +50,19 @@ def _generate(model, prompt, new_tokens):
                               pad_token_id=0)
 
 
-def run(rank, world_size, rounds, name="gpt2-small", budgets=(25, 50, 75)):
+def deepspeed_zero3(name, rank):
+    """The model in a DeepSpeed ZeRO-3 engine on the CPU accelerator, over the
+    gloo group run_ranks made; returns the module, its params partitioned."""
+    from peers import deepspeed_in_rank
+    deepspeed = deepspeed_in_rank()
+    engine, *_ = deepspeed.initialize(model=make_model(name), config=DEEPSPEED_CONFIG)
+    return engine.module
+
+
+def run(rank, world_size, rounds, name="gpt2-small", budgets=(25, 50, 75), deepspeed=False):
     """Tokens/s and peak gathered bytes per mode; the unsharded model runs in
-    the same processes, in turn with the others, so all see the same load."""
+    the same processes, in turn with the others, so all see the same load.
+    With deepspeed, DeepSpeed ZeRO-3 generates too, in the same rounds."""
     import rlhfz
     torch.set_num_threads(1)
     spec = MODELS[name]
@@ -66,12 +80,17 @@ def run(rank, world_size, rounds, name="gpt2-small", budgets=(25, 50, 75)):
     modes = {"unit_by_unit": dict(enabled=False), "full": dict(enabled=True)}
     for q in budgets:
         modes[f"budget_{q}"] = dict(budget_bytes=total * q // 100)
+    ds_model = deepspeed_zero3(name, rank) if deepspeed else None
     times = {mode: [] for mode in ["unsharded", *modes]}
+    if ds_model is not None:
+        times["deepspeed_zero3"] = []
     peaks = {}
     new_tokens = spec["new_tokens"]
     _generate(unsharded, prompt, new_tokens)
     with rlhfz.gather_for_generation(model, enabled=False):
         _generate(model, prompt, 1)         # the first forward records the unit order
+    if ds_model is not None:
+        _generate(ds_model, prompt, 1)      # DeepSpeed too traces its module order first
     for _ in range(rounds):
         start = time.perf_counter()
         reference = _generate(unsharded, prompt, new_tokens)
@@ -84,6 +103,11 @@ def run(rank, world_size, rounds, name="gpt2-small", budgets=(25, 50, 75)):
             times[mode].append(time.perf_counter() - start)
             peaks[mode] = stage3.peak_bytes
             assert torch.equal(tokens, reference), mode
+        if ds_model is not None:
+            start = time.perf_counter()
+            tokens = _generate(ds_model, prompt, new_tokens)
+            times["deepspeed_zero3"].append(time.perf_counter() - start)
+            assert torch.equal(tokens, reference), "deepspeed_zero3"
     # weight export
     start = time.perf_counter()
     exported = sum(t.numel() * t.element_size()

@@ -8,13 +8,23 @@ import pytest
 INSTALL = "make bench-deps installs it (deepspeed==0.19.8, torch pinned)"
 
 
-def deepspeed_or_skip():
+def deepspeed_missing_reason():
+    """None where DeepSpeed imports, else why not: for a test that runs
+    without it and records the reason instead of skipping."""
     # before the import: DeepSpeed picks its accelerator once, on import
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
-        import deepspeed
+        import deepspeed  # noqa: F401
     except ImportError as e:
-        pytest.skip(f"DeepSpeed is not installed ({e}): {INSTALL}")
+        return f"DeepSpeed is not installed ({e}): {INSTALL}"
+    return None
+
+
+def deepspeed_or_skip():
+    reason = deepspeed_missing_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    import deepspeed
     return deepspeed
 
 
@@ -28,3 +38,21 @@ def deepspeed_cpu_adam_or_skip():
     except Exception as e:     # a failed JIT build reads as any exception
         pytest.skip(f"DeepSpeedCPUAdam could not be built here: {e}")
     return DeepSpeedCPUAdam
+
+
+def deepspeed_in_rank():
+    """DeepSpeed in a rank run_ranks spawned, on its CPU accelerator and the
+    gloo group already there (init_distributed finds it initialised and
+    wraps it rather than making one); returns the module."""
+    import logging
+
+    import torch.distributed as dist
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")      # before the import, which picks it
+    # what its launcher would set: the engine reads LOCAL_RANK
+    for name, value in (("RANK", dist.get_rank()), ("LOCAL_RANK", dist.get_rank()),
+                        ("WORLD_SIZE", dist.get_world_size())):
+        os.environ.setdefault(name, str(value))
+    import deepspeed
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    deepspeed.init_distributed(dist_backend="gloo")
+    return deepspeed
