@@ -1,6 +1,4 @@
 """Per-rank body of the stage 2 memory benchmark (importable by spawned ranks)."""
-import os
-
 STEPS = 3
 # rlhfz's defaults, given to DeepSpeed's AdamW as well; no clipping in either
 HPARAMS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
@@ -24,10 +22,9 @@ def train(rank, world_size, impl, bucket_bytes):
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
     if impl == "deepspeed_zero2":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")     # before the import, which picks it
-        import deepspeed  # noqa: F401  (imported here, its footprint is in the baseline)
-
         import training_workers
+        from peers import deepspeed_in_rank
+        deepspeed_in_rank()       # imported here, so its footprint is in the baseline
     else:
         import rlhfz
     baseline = _rss_bytes()

@@ -4,8 +4,8 @@ The same accounting as ZeroAdamW.memory_report(): params and grads in the
 param dtype, fp32 master weights only for 16-bit params, two fp32 moments.
 Stage 2 grads across ranks are the shard plus the reducer's staging: two
 slots of the bucket cap (one param group assumed; a param above the cap goes
-through the slots in pieces). Padding
-(at most one alignment unit per bucket) is left out.
+through the slots in pieces). Padding (at most one alignment unit per
+bucket) is left out.
 """
 from __future__ import annotations
 

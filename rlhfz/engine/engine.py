@@ -255,9 +255,7 @@ class ShardEngine:
         """Applies a clip the step has not folded in yet to the grads."""
         pending, self._pending_clip = self._pending_clip, None
         if pending is not None:
-            plans, factor = pending
-            for view in self._grad_views(plans):
-                self.backend.scale_(view, factor)
+            self._scale_views(*pending)
 
     def sumsq(self, plans) -> float:
         """Sum of squares of every (reduced) grad, over all ranks."""
@@ -269,6 +267,9 @@ class ShardEngine:
 
     def scale_grads(self, plans, factor: float) -> None:
         self.settle_grads()
+        self._scale_views(plans, factor)
+
+    def _scale_views(self, plans, factor: float) -> None:
         for view in self._grad_views(plans):
             self.backend.scale_(view, factor)
 
