@@ -79,6 +79,85 @@ error:
     return NULL;
 }
 
+static int rounding_from_object(PyObject *obj, rlhfz_rounding *rounding)
+{
+    if (obj == NULL || (PyUnicode_Check(obj) &&
+                        PyUnicode_CompareWithASCIIString(obj, "nearest") == 0)) {
+        *rounding = RLHFZ_ROUND_NEAREST;
+        return 0;
+    }
+    if (PyUnicode_Check(obj) && PyUnicode_CompareWithASCIIString(obj, "stochastic") == 0) {
+        *rounding = RLHFZ_ROUND_STOCHASTIC;
+        return 0;
+    }
+    PyErr_Format(PyExc_ValueError, "rounding must be 'nearest' or 'stochastic', not %R", obj);
+    return -1;
+}
+
+/* seed and index_base of stochastic rounding: plain non-negative ints */
+static int rounding_counter_from_args(PyObject *seed_obj, PyObject *index_obj, int64_t step,
+                                      rlhfz_adamw_lowp_shard *shard)
+{
+    int64_t seed = 0, index_base = 0;
+    if ((seed_obj && rlhfz_arg_int64(seed_obj, "seed", &seed) < 0) ||
+        (index_obj && rlhfz_arg_int64(index_obj, "index_base", &index_base) < 0))
+        return -1;
+    if (seed < 0 || seed > UINT32_MAX || index_base < 0) {
+        PyErr_SetString(PyExc_ValueError,
+                        "seed must be in [0, 2**32) and index_base must be >= 0");
+        return -1;
+    }
+    shard->rounding_key = rlhfz_rounding_key((uint32_t)seed, (uint64_t)step);
+    shard->index_base = (uint64_t)index_base;
+    return 0;
+}
+
+static PyObject *adamw_step_lowp(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
+                                 PyObject *kwnames)
+{
+    static const char *const names[] = {
+        "master", "exp_avg", "exp_avg_sq", "grad", "param_out", "exp_avg_scale",
+        "exp_avg_sq_scale", "lr", "beta1", "beta2", "eps", "weight_decay", "step", "maximize",
+        "grad_scale", "rounding", "seed", "index_base", "simd", NULL};
+    enum { MASTER, EXP_AVG, EXP_AVG_SQ, GRAD, PARAM_OUT, SCALE, SQ_SCALE, LR, BETA1, BETA2,
+           EPS, WD, STEP, MAXIMIZE, GRAD_SCALE, ROUNDING, SEED, INDEX_BASE, SIMD, NSLOTS };
+    PyObject *slots[NSLOTS];
+    if (rlhfz_parse_args("adamw_step_lowp", args, nargs, kwnames, names, 5, 4, slots) < 0)
+        return NULL;
+    rlhfz_adamw_hparams hp;
+    if (rlhfz_adamw_hparams_from_args("adamw_step_lowp", slots + LR, &hp) < 0)
+        return NULL;
+    int64_t step;
+    rlhfz_rounding rounding;
+    rlhfz_simd_level level;
+    int reference;
+    if (rlhfz_arg_int64(slots[STEP], "step", &step) < 0 ||
+        rounding_from_object(slots[ROUNDING], &rounding) < 0 ||
+        simd_from_object(slots[SIMD], &level, &reference) < 0)
+        return NULL;
+
+    rlhfz_borrowed b = {.count = 0};
+    rlhfz_adamw_lowp_shard shard;
+    int device;
+    if (rlhfz_adamw_lowp_shard_from_args(module, &b, slots + MASTER, RLHFZ_PLACE_HOST, NULL,
+                                         &shard, &device) < 0 ||
+        rounding_counter_from_args(slots[SEED], slots[INDEX_BASE], step, &shard) < 0)
+        goto error;
+    shard.rounding = rounding;
+    rlhfz_status status;
+    Py_BEGIN_ALLOW_THREADS
+    status = reference ? rlhfz_adamw_lowp_reference(&shard, &hp)
+                       : rlhfz_adamw_lowp_cpu(&shard, &hp, level);
+    Py_END_ALLOW_THREADS
+    rlhfz_borrowed_release(&b);
+    if (rlhfz_raise_status(status, "adamw_step_lowp") < 0)
+        return NULL;
+    Py_RETURN_NONE;
+error:
+    rlhfz_borrowed_release(&b);
+    return NULL;
+}
+
 static PyObject *sumsq(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     static const char *const names[] = {"x", NULL};
@@ -189,6 +268,15 @@ PyMethodDef rlhfz_cpu_ops_methods[] = {
      "float16; param_out, if given, receives the new values in its own dtype. step is the\n"
      "step being taken (1 for the first). simd: None (best), 'reference', 'scalar', 'avx2',\n"
      "'avx512'."},
+    {"adamw_step_lowp", (PyCFunction)(void (*)(void))adamw_step_lowp,
+     METH_FASTCALL | METH_KEYWORDS,
+     "adamw_step_lowp(master, exp_avg, exp_avg_sq, grad, param_out=None, exp_avg_scale=None,\n"
+     "                exp_avg_sq_scale=None, *, lr, beta1, beta2, eps, weight_decay, step,\n"
+     "                maximize=False, grad_scale=1.0, rounding='nearest', seed=0,\n"
+     "                index_base=0, simd=None)\n\n"
+     "One AdamW step over a flat shard whose moments are low precision, in place: bfloat16\n"
+     "exp_avg and exp_avg_sq, or int8 / uint8 codes with one float32 scale per block of 256\n"
+     "for each. rounding 'stochastic' draws from a hash of (seed, step, index_base + i)."},
     {"sumsq", (PyCFunction)(void (*)(void))sumsq, METH_FASTCALL | METH_KEYWORDS,
      "sumsq(x) -> float: sum of squares in double; Inf or NaN iff x holds one."},
     {"scale_", (PyCFunction)(void (*)(void))scale_, METH_FASTCALL | METH_KEYWORDS,

@@ -84,17 +84,19 @@ static int maybe_simulated_alias(DLDevice device)
 }
 
 static int validate_tensor(const DLTensor *tensor, const char *name, rlhfz_place place,
-                           rlhfz_array *out)
+                           int codes, rlhfz_array *out)
 {
     DLDevice device = tensor->device;
     int deferred = maybe_simulated_alias(device);
     if (!deferred && check_place(name, place, device) < 0)
         return -1;
-    if (rlhfz_dtype_from_dl(tensor->dtype, &out->dtype) < 0) {
+    if (rlhfz_dtype_from_dl(tensor->dtype, codes, &out->dtype) < 0) {
         char text[48];
         describe_dl_dtype(tensor->dtype, text, sizeof(text));
         PyErr_Format(PyExc_BufferError,
-                     "%s has dtype %s; supported dtypes are float32, bfloat16 and float16",
+                     codes ? "%s has dtype %s; supported dtypes are float32, bfloat16, "
+                             "float16, int8 and uint8"
+                           : "%s has dtype %s; supported dtypes are float32, bfloat16 and float16",
                      name, text);
         return -1;
     }
@@ -312,8 +314,9 @@ static PyObject *open_capsule(PyObject *obj, const char *name, rlhfz_place place
 }
 
 int rlhfz_array_from_object(rlhfz_state *state, PyObject *obj, const char *name,
-                            int writable, rlhfz_place place, void *stream, rlhfz_array *out)
+                            int flags, rlhfz_place place, void *stream, rlhfz_array *out)
 {
+    int writable = flags & RLHFZ_BORROW_WRITABLE;
     memset(out, 0, sizeof(*out));
     /* rlhfz's own views need no capsule round trip: this is the hot path. */
     if (Py_TYPE(obj) == state->BufferView_type) {
@@ -345,7 +348,7 @@ int rlhfz_array_from_object(rlhfz_state *state, PyObject *obj, const char *name,
                                      &versioned);
     if (capsule == NULL)
         return -1;
-    if (validate_tensor(tensor, name, place, out) < 0) {
+    if (validate_tensor(tensor, name, place, flags & RLHFZ_BORROW_CODES, out) < 0) {
         Py_DECREF(capsule);
         return -1;
     }
@@ -375,7 +378,7 @@ int rlhfz_buffer_import_dlpack(rlhfz_Buffer *buffer, PyObject *obj)
         return -1;
     rlhfz_array array;
     memset(&array, 0, sizeof(array));
-    if (validate_tensor(tensor, "tensor", RLHFZ_PLACE_HOST, &array) < 0)
+    if (validate_tensor(tensor, "tensor", RLHFZ_PLACE_HOST, 0, &array) < 0)
         goto error;
     if (readonly) {
         PyErr_SetString(PyExc_BufferError, "tensor is read-only; a Buffer must be writable");

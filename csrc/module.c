@@ -233,6 +233,9 @@ static int module_exec(PyObject *module)
         return -1;
     if (rlhfz_nccl_library_add(module) < 0 || rlhfz_nccl_comm_add_type(module) < 0)
         return -1;
+    /* elements per int8 moment block: shard layouts align to it */
+    if (PyModule_AddIntConstant(module, "QBLOCK", RLHFZ_QBLOCK) < 0)
+        return -1;
     if (PyModule_AddStringConstant(module, "__version__", RLHFZ_VERSION) < 0)
         return -1;
     return 0;

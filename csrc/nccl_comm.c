@@ -362,6 +362,8 @@ static ncclDataType_t nccl_dtype(rlhfz_dtype dtype)
     switch (dtype) {
     case RLHFZ_DTYPE_BF16: return ncclBfloat16;
     case RLHFZ_DTYPE_F16: return ncclFloat16;
+    case RLHFZ_DTYPE_I8: return ncclInt8;
+    case RLHFZ_DTYPE_U8: return ncclUint8;
     case RLHFZ_DTYPE_F32: break;
     }
     return ncclFloat32;

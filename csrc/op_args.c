@@ -17,14 +17,14 @@ void rlhfz_borrowed_release(rlhfz_borrowed *b)
 }
 
 rlhfz_array *rlhfz_borrow(PyObject *module, rlhfz_borrowed *b, PyObject *obj, const char *name,
-                          int writable, rlhfz_place place, void *stream)
+                          int flags, rlhfz_place place, void *stream)
 {
     if (b->count >= RLHFZ_MAX_BORROWED) {
         PyErr_SetString(PyExc_SystemError, "rlhfz: too many arrays borrowed in one call");
         return NULL;
     }
     rlhfz_array *array = &b->items[b->count];
-    if (rlhfz_array_from_object(rlhfz_get_state(module), obj, name, writable, place, stream,
+    if (rlhfz_array_from_object(rlhfz_get_state(module), obj, name, flags, place, stream,
                                 array) < 0)
         return NULL;
     b->count++;
@@ -120,6 +120,84 @@ int rlhfz_adamw_shard_from_args(PyObject *module, rlhfz_borrowed *b, PyObject *c
         .grad_dtype = grad->dtype,
         .param_out = param_out ? param_out->data : NULL,
         .param_dtype = param_out ? param_out->dtype : RLHFZ_DTYPE_F32,
+        .n = master->numel,
+    };
+    *device = master->device.device_id;
+    return 0;
+}
+
+int rlhfz_adamw_lowp_shard_from_args(PyObject *module, rlhfz_borrowed *b, PyObject *const *slots,
+                                     rlhfz_place place, void *stream,
+                                     rlhfz_adamw_lowp_shard *shard, int *device)
+{
+    enum { MASTER, EXP_AVG, EXP_AVG_SQ, GRAD, PARAM_OUT, SCALE, SQ_SCALE, COUNT };
+    static const char *const names[] = {"master", "exp_avg", "exp_avg_sq", "grad", "param_out",
+                                        "exp_avg_scale", "exp_avg_sq_scale"};
+    const rlhfz_array *all[COUNT] = {NULL};
+    const char *present[COUNT];
+    const rlhfz_array *listed[COUNT];
+    int count = 0;
+    for (int i = 0; i < COUNT; i++) {
+        if (i >= PARAM_OUT && (slots[i] == NULL || slots[i] == Py_None))
+            continue;
+        int flags = (i == GRAD ? 0 : RLHFZ_BORROW_WRITABLE) |
+                    (i == EXP_AVG || i == EXP_AVG_SQ ? RLHFZ_BORROW_CODES : 0);
+        if ((all[i] = rlhfz_borrow(module, b, slots[i], names[i], flags, place, stream)) == NULL)
+            return -1;
+        present[count] = names[i];
+        listed[count++] = all[i];
+    }
+    const rlhfz_array *master = all[MASTER];
+    if (rlhfz_check_dtype(master, "master", RLHFZ_DTYPE_F32) < 0)
+        return -1;
+    for (int i = EXP_AVG; i <= PARAM_OUT; i++)
+        if (all[i] && rlhfz_check_numel(all[i], names[i], master->numel, "master") < 0)
+            return -1;
+
+    rlhfz_state_dtype state_dtype;
+    if (all[EXP_AVG]->dtype == RLHFZ_DTYPE_BF16) {
+        state_dtype = RLHFZ_STATE_BF16;
+        if (rlhfz_check_dtype(all[EXP_AVG_SQ], "exp_avg_sq", RLHFZ_DTYPE_BF16) < 0)
+            return -1;
+        if (all[SCALE] || all[SQ_SCALE]) {
+            PyErr_SetString(PyExc_ValueError, "bf16 moments take no scales");
+            return -1;
+        }
+    } else if (all[EXP_AVG]->dtype == RLHFZ_DTYPE_I8) {
+        state_dtype = RLHFZ_STATE_INT8;
+        if (rlhfz_check_dtype(all[EXP_AVG_SQ], "exp_avg_sq", RLHFZ_DTYPE_U8) < 0)
+            return -1;
+        if (!all[SCALE] || !all[SQ_SCALE]) {
+            PyErr_SetString(PyExc_TypeError,
+                            "int8 moments need exp_avg_scale and exp_avg_sq_scale");
+            return -1;
+        }
+        size_t blocks = (master->numel + RLHFZ_QBLOCK - 1) / RLHFZ_QBLOCK;
+        for (int i = SCALE; i <= SQ_SCALE; i++)
+            if (rlhfz_check_dtype(all[i], names[i], RLHFZ_DTYPE_F32) < 0 ||
+                rlhfz_check_numel(all[i], names[i], blocks, "the blocks of master") < 0)
+                return -1;
+    } else {
+        PyErr_Format(PyExc_TypeError,
+                     "exp_avg must be bfloat16 (bf16 moments) or int8 (int8 codes), not %s",
+                     rlhfz_dtype_name(all[EXP_AVG]->dtype));
+        return -1;
+    }
+    if (rlhfz_check_all_disjoint(listed, present, count) < 0 ||
+        (place == RLHFZ_PLACE_CUDA && rlhfz_check_same_device(listed, present, count) < 0))
+        return -1;
+    *shard = (rlhfz_adamw_lowp_shard){
+        .master = master->data,
+        .exp_avg = all[EXP_AVG]->data,
+        .exp_avg_sq = all[EXP_AVG_SQ]->data,
+        .exp_avg_scale = all[SCALE] ? all[SCALE]->data : NULL,
+        .exp_avg_sq_scale = all[SQ_SCALE] ? all[SQ_SCALE]->data : NULL,
+        .state_dtype = state_dtype,
+        .rounding = RLHFZ_ROUND_NEAREST,
+        .grad = all[GRAD]->data,
+        .grad_dtype = all[GRAD]->dtype,
+        .param_out = all[PARAM_OUT] ? all[PARAM_OUT]->data : NULL,
+        .param_dtype = all[PARAM_OUT] ? all[PARAM_OUT]->dtype : RLHFZ_DTYPE_F32,
         .n = master->numel,
     };
     *device = master->device.device_id;

@@ -142,8 +142,11 @@ typedef enum {
 /* dlpack_import.c. A CUDA borrow passes `stream` (the stream the kernel will
  * run on; NULL: the legacy default) to the producer's __dlpack__, so the
  * producer orders its pending work before it. */
+/* flags: what a borrow allows */
+#define RLHFZ_BORROW_WRITABLE 1  /* the kernel writes it: refuse read-only memory */
+#define RLHFZ_BORROW_CODES 2     /* int8 / uint8 moment codes are accepted too */
 int rlhfz_array_from_object(rlhfz_state *state, PyObject *obj, const char *name,
-                            int writable, rlhfz_place place, void *stream, rlhfz_array *out);
+                            int flags, rlhfz_place place, void *stream, rlhfz_array *out);
 void rlhfz_array_release(rlhfz_array *array);
 int rlhfz_buffer_import_dlpack(rlhfz_Buffer *buffer, PyObject *obj);
 PyObject *rlhfz_describe_dlpack(PyObject *module, PyObject *obj);
@@ -154,7 +157,7 @@ PyObject *rlhfz_describe_dlpack(PyObject *module, PyObject *obj);
 int rlhfz_dtype_from_object(PyObject *obj, rlhfz_dtype *out);
 const char *rlhfz_dtype_name(rlhfz_dtype dtype);
 DLDataType rlhfz_dtype_to_dl(rlhfz_dtype dtype);
-int rlhfz_dtype_from_dl(DLDataType dl, rlhfz_dtype *out);
+int rlhfz_dtype_from_dl(DLDataType dl, int codes, rlhfz_dtype *out);
 
 /* args.c: METH_FASTCALL | METH_KEYWORDS argument binding, public C API only.
  * names is NULL-terminated; at most max_positional may come by position and
@@ -170,14 +173,14 @@ int rlhfz_arg_int64(PyObject *obj, const char *name, int64_t *out);
 int rlhfz_arg_stream(PyObject *obj, void **stream);
 
 /* op_args.c: what the kernel entry points share. */
-#define RLHFZ_MAX_BORROWED 6
+#define RLHFZ_MAX_BORROWED 7
 typedef struct {
     rlhfz_array items[RLHFZ_MAX_BORROWED];
     int count;
 } rlhfz_borrowed;
 
 rlhfz_array *rlhfz_borrow(PyObject *module, rlhfz_borrowed *b, PyObject *obj, const char *name,
-                          int writable, rlhfz_place place, void *stream);
+                          int flags, rlhfz_place place, void *stream);
 void rlhfz_borrowed_release(rlhfz_borrowed *b);
 int rlhfz_check_dtype(const rlhfz_array *a, const char *name, rlhfz_dtype dtype);
 int rlhfz_check_numel(const rlhfz_array *a, const char *name, size_t numel, const char *ref);
@@ -191,6 +194,12 @@ int rlhfz_check_same_device(const rlhfz_array *const *arrays, const char *const 
 int rlhfz_adamw_shard_from_args(PyObject *module, rlhfz_borrowed *b, PyObject *const *slots,
                                 rlhfz_place place, void *stream, rlhfz_adamw_shard *shard,
                                 int *device);
+/* The same for bf16 or int8 moments: slots hold master, exp_avg, exp_avg_sq,
+ * grad, param_out, exp_avg_scale and exp_avg_sq_scale (the last two for int8
+ * only). The moments' dtypes name the state dtype. */
+int rlhfz_adamw_lowp_shard_from_args(PyObject *module, rlhfz_borrowed *b, PyObject *const *slots,
+                                     rlhfz_place place, void *stream,
+                                     rlhfz_adamw_lowp_shard *shard, int *device);
 /* cuda_inflight.c: DLPack borrows of a queued kernel, kept until the event
  * recorded after its launch is done. */
 rlhfz_inflight *rlhfz_inflight_new(void);

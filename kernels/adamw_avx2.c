@@ -45,13 +45,12 @@ SIMD_INLINE simd_f32 simd_widen_bf16(simd_half h)
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-/* Round to nearest even by integer add (see rlhfz_f32_to_bf16); a NaN keeps
+/* The top halves of x's bits after adding `carry` below them; a NaN keeps
  * its top bits and gets the quiet bit instead. */
-SIMD_INLINE simd_half simd_narrow_bf16(simd_f32 x)
+SIMD_INLINE simd_half narrow_bf16_adding(simd_f32 x, __m256i carry)
 {
     __m256i bits = _mm256_castps_si256(x);
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+    __m256i rounded = _mm256_add_epi32(bits, carry);
     __m256i quieted = _mm256_or_si256(bits, _mm256_set1_epi32(0x00400000));
     __m256 is_nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
     __m256i chosen = _mm256_castps_si256(_mm256_blendv_ps(
@@ -59,6 +58,14 @@ SIMD_INLINE simd_half simd_narrow_bf16(simd_f32 x)
     __m256i high = _mm256_srli_epi32(chosen, 16);
     /* values are < 2^16, so the unsigned-saturating pack just narrows */
     return _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1));
+}
+
+/* Round to nearest even by integer add (see rlhfz_f32_to_bf16). */
+SIMD_INLINE simd_half simd_narrow_bf16(simd_f32 x)
+{
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(x), 16),
+                                   _mm256_set1_epi32(1));
+    return narrow_bf16_adding(x, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
 }
 
 SIMD_INLINE simd_f32 simd_widen_f16(simd_half h) { return _mm256_cvtph_ps(h); }
@@ -86,8 +93,68 @@ SIMD_INLINE double simd_f64_hsum(simd_f64 a)
     return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
 }
 
+/* ---- integer lanes, for the low-precision moments ------------------------- */
+
+typedef __m256i simd_i32;
+
+SIMD_INLINE simd_i32 simd_i32_set1(uint32_t a) { return _mm256_set1_epi32((int)a); }
+SIMD_INLINE simd_i32 simd_i32_lanes(uint32_t base)
+{
+    return _mm256_add_epi32(_mm256_set1_epi32((int)base), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+SIMD_INLINE simd_i32 simd_i32_xor(simd_i32 a, simd_i32 b) { return _mm256_xor_si256(a, b); }
+SIMD_INLINE simd_i32 simd_i32_and(simd_i32 a, simd_i32 b) { return _mm256_and_si256(a, b); }
+SIMD_INLINE simd_i32 simd_i32_mul(simd_i32 a, simd_i32 b) { return _mm256_mullo_epi32(a, b); }
+SIMD_INLINE simd_i32 simd_i32_shr15(simd_i32 a) { return _mm256_srli_epi32(a, 15); }
+SIMD_INLINE simd_i32 simd_i32_shr16(simd_i32 a) { return _mm256_srli_epi32(a, 16); }
+SIMD_INLINE simd_f32 simd_i32_to_f32(simd_i32 a) { return _mm256_cvtepi32_ps(a); }
+/* to nearest even under the default MXCSR, as nearbyintf */
+SIMD_INLINE simd_i32 simd_f32_to_i32_nearest(simd_f32 a) { return _mm256_cvtps_epi32(a); }
+SIMD_INLINE simd_i32 simd_f32_to_i32_trunc(simd_f32 a) { return _mm256_cvttps_epi32(a); }
+
+SIMD_INLINE simd_f32 simd_abs(simd_f32 a)
+{
+    return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a);
+}
+/* a NaN in a yields b, in either: b (x86's max/min) */
+SIMD_INLINE simd_f32 simd_max(simd_f32 a, simd_f32 b) { return _mm256_max_ps(a, b); }
+SIMD_INLINE simd_f32 simd_min(simd_f32 a, simd_f32 b) { return _mm256_min_ps(a, b); }
+
+/* W exp_avg codes as q * |q|, and W exp_avg_sq codes as q * q (exact in fp32) */
+SIMD_INLINE simd_f32 simd_q_signed_square_load(const int8_t *x)
+{
+    __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)x));
+    return _mm256_cvtepi32_ps(_mm256_mullo_epi32(q, _mm256_abs_epi32(q)));
+}
+SIMD_INLINE simd_f32 simd_q_square_load(const uint8_t *x)
+{
+    __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)x));
+    return _mm256_cvtepi32_ps(_mm256_mullo_epi32(q, q));
+}
+/* W codes, |q| <= 127, negated where sign_of has its sign bit set */
+SIMD_INLINE void simd_q_signed_store(int8_t *x, simd_i32 q, simd_f32 sign_of)
+{
+    __m256i negative = _mm256_srai_epi32(_mm256_castps_si256(sign_of), 31);
+    q = _mm256_sub_epi32(_mm256_xor_si256(q, negative), negative);
+    __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+    _mm_storel_epi64((__m128i *)x, _mm_packs_epi16(words, words));
+}
+/* W codes in 0..255 */
+SIMD_INLINE void simd_q_unsigned_store(uint8_t *x, simd_i32 q)
+{
+    __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+    _mm_storel_epi64((__m128i *)x, _mm_packus_epi16(words, words));
+}
+
+/* Stochastic rounding to bf16 (see rlhfz_f32_to_bf16_stochastic). */
+SIMD_INLINE simd_half simd_narrow_bf16_stochastic(simd_f32 x, simd_i32 random16)
+{
+    return narrow_bf16_adding(x, random16);
+}
+
 /* ---- the chunk functions -------------------------------------------------- */
 
 #include "simd_chunk_bodies.h"
+#include "lowp_chunk_bodies.h"
 
 #endif /* x86 */

@@ -52,16 +52,23 @@ SIMD_INLINE simd_f32 simd_widen_bf16(simd_half h)
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* Round to nearest even by integer add (see rlhfz_f32_to_bf16); a NaN keeps
+/* The top halves of x's bits after adding `carry` below them; a NaN keeps
  * its top bits and gets the quiet bit instead. */
-SIMD_INLINE simd_half simd_narrow_bf16(simd_f32 x)
+SIMD_INLINE simd_half narrow_bf16_adding(simd_f32 x, __m512i carry)
 {
     __m512i bits = _mm512_castps_si512(x);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+    __m512i rounded = _mm512_add_epi32(bits, carry);
     __mmask16 is_nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     __m512i chosen = _mm512_mask_or_epi32(rounded, is_nan, bits, _mm512_set1_epi32(0x00400000));
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(chosen, 16));
+}
+
+/* Round to nearest even by integer add (see rlhfz_f32_to_bf16). */
+SIMD_INLINE simd_half simd_narrow_bf16(simd_f32 x)
+{
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(x), 16),
+                                   _mm512_set1_epi32(1));
+    return narrow_bf16_adding(x, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
 }
 
 SIMD_INLINE simd_f32 simd_widen_f16(simd_half h) { return _mm512_cvtph_ps(h); }
@@ -90,8 +97,65 @@ SIMD_INLINE double simd_f64_hsum(simd_f64 a)
            ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
 }
 
+/* ---- integer lanes, for the low-precision moments ------------------------- */
+
+typedef __m512i simd_i32;
+
+SIMD_INLINE simd_i32 simd_i32_set1(uint32_t a) { return _mm512_set1_epi32((int)a); }
+SIMD_INLINE simd_i32 simd_i32_lanes(uint32_t base)
+{
+    return _mm512_add_epi32(_mm512_set1_epi32((int)base),
+                            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
+                                              14, 15));
+}
+SIMD_INLINE simd_i32 simd_i32_xor(simd_i32 a, simd_i32 b) { return _mm512_xor_si512(a, b); }
+SIMD_INLINE simd_i32 simd_i32_and(simd_i32 a, simd_i32 b) { return _mm512_and_si512(a, b); }
+SIMD_INLINE simd_i32 simd_i32_mul(simd_i32 a, simd_i32 b) { return _mm512_mullo_epi32(a, b); }
+SIMD_INLINE simd_i32 simd_i32_shr15(simd_i32 a) { return _mm512_srli_epi32(a, 15); }
+SIMD_INLINE simd_i32 simd_i32_shr16(simd_i32 a) { return _mm512_srli_epi32(a, 16); }
+SIMD_INLINE simd_f32 simd_i32_to_f32(simd_i32 a) { return _mm512_cvtepi32_ps(a); }
+/* to nearest even under the default MXCSR, as nearbyintf */
+SIMD_INLINE simd_i32 simd_f32_to_i32_nearest(simd_f32 a) { return _mm512_cvtps_epi32(a); }
+SIMD_INLINE simd_i32 simd_f32_to_i32_trunc(simd_f32 a) { return _mm512_cvttps_epi32(a); }
+
+SIMD_INLINE simd_f32 simd_abs(simd_f32 a) { return _mm512_abs_ps(a); }
+/* a NaN in a yields b, in either: b (x86's max/min) */
+SIMD_INLINE simd_f32 simd_max(simd_f32 a, simd_f32 b) { return _mm512_max_ps(a, b); }
+SIMD_INLINE simd_f32 simd_min(simd_f32 a, simd_f32 b) { return _mm512_min_ps(a, b); }
+
+/* W exp_avg codes as q * |q|, and W exp_avg_sq codes as q * q (exact in fp32) */
+SIMD_INLINE simd_f32 simd_q_signed_square_load(const int8_t *x)
+{
+    __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)x));
+    return _mm512_cvtepi32_ps(_mm512_mullo_epi32(q, _mm512_abs_epi32(q)));
+}
+SIMD_INLINE simd_f32 simd_q_square_load(const uint8_t *x)
+{
+    __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)x));
+    return _mm512_cvtepi32_ps(_mm512_mullo_epi32(q, q));
+}
+/* W codes, |q| <= 127, negated where sign_of has its sign bit set */
+SIMD_INLINE void simd_q_signed_store(int8_t *x, simd_i32 q, simd_f32 sign_of)
+{
+    __mmask16 negative = _mm512_movepi32_mask(_mm512_castps_si512(sign_of));
+    q = _mm512_mask_sub_epi32(q, negative, _mm512_setzero_si512(), q);
+    _mm_storeu_si128((__m128i *)x, _mm512_cvtepi32_epi8(q));
+}
+/* W codes in 0..255 */
+SIMD_INLINE void simd_q_unsigned_store(uint8_t *x, simd_i32 q)
+{
+    _mm_storeu_si128((__m128i *)x, _mm512_cvtepi32_epi8(q));
+}
+
+/* Stochastic rounding to bf16 (see rlhfz_f32_to_bf16_stochastic). */
+SIMD_INLINE simd_half simd_narrow_bf16_stochastic(simd_f32 x, simd_i32 random16)
+{
+    return narrow_bf16_adding(x, random16);
+}
+
 /* ---- the chunk functions -------------------------------------------------- */
 
 #include "simd_chunk_bodies.h"
+#include "lowp_chunk_bodies.h"
 
 #endif /* x86 */

@@ -62,7 +62,7 @@ void rlhfz_adamw_consts_init(rlhfz_adamw_consts *c, const rlhfz_adamw_hparams *h
     c->bias_correction2_rsqrt = hp->bias_correction2_rsqrt;
 }
 
-static rlhfz_status resolve_level(rlhfz_simd_level asked, rlhfz_simd_level *level)
+rlhfz_status rlhfz_simd_resolve(rlhfz_simd_level asked, rlhfz_simd_level *level)
 {
     rlhfz_simd_level detected = rlhfz_simd_detect();
     if (asked == RLHFZ_SIMD_BEST) {
@@ -100,7 +100,7 @@ rlhfz_status rlhfz_adamw_cpu(const rlhfz_adamw_shard *shard, const rlhfz_adamw_h
     rlhfz_status status = rlhfz_adamw_check_args(shard, hp);
     if (status != RLHFZ_OK)
         return status;
-    status = resolve_level(level, &level);
+    status = rlhfz_simd_resolve(level, &level);
     if (status != RLHFZ_OK || shard->n == 0)
         return status;
 

@@ -16,42 +16,13 @@
 #include "cpu_kernels_simd.h"
 #include "half_convert.h"
 
-/* ---- scalar element access ------------------------------------------------ */
-
-static inline float load_f32(const void *x, rlhfz_dtype dtype, size_t i)
-{
-    switch (dtype) {
-    case RLHFZ_DTYPE_BF16:
-        return rlhfz_bf16_to_f32(((const uint16_t *)x)[i]);
-    case RLHFZ_DTYPE_F16:
-        return rlhfz_f16_to_f32(((const uint16_t *)x)[i]);
-    default:
-        return ((const float *)x)[i];
-    }
-}
-
-static inline void store_f32(void *x, rlhfz_dtype dtype, size_t i, float value)
-{
-    switch (dtype) {
-    case RLHFZ_DTYPE_BF16:
-        ((uint16_t *)x)[i] = rlhfz_f32_to_bf16(value);
-        break;
-    case RLHFZ_DTYPE_F16:
-        ((uint16_t *)x)[i] = rlhfz_f32_to_f16(value);
-        break;
-    default:
-        ((float *)x)[i] = value;
-        break;
-    }
-}
-
 /* ---- scalar chunk functions ----------------------------------------------- */
 
 void rlhfz_adamw_chunk_scalar(const rlhfz_adamw_shard *shard, const rlhfz_adamw_consts *c,
                               size_t begin, size_t end)
 {
     for (size_t i = begin; i < end; i++) {
-        float g = load_f32(shard->grad, shard->grad_dtype, i) * c->grad_scale;
+        float g = rlhfz_load_f32(shard->grad, shard->grad_dtype, i) * c->grad_scale;
 
         /* decoupled weight decay */
         float p = shard->master[i] * c->decay;
@@ -72,7 +43,7 @@ void rlhfz_adamw_chunk_scalar(const rlhfz_adamw_shard *shard, const rlhfz_adamw_
         shard->exp_avg[i] = m;
         shard->exp_avg_sq[i] = v;
         if (shard->param_out)
-            store_f32(shard->param_out, shard->param_dtype, i, p);
+            rlhfz_store_f32(shard->param_out, shard->param_dtype, i, p);
     }
 }
 
@@ -80,7 +51,7 @@ double rlhfz_sumsq_chunk_scalar(const void *x, rlhfz_dtype dtype, size_t begin, 
 {
     double sum = 0.0;
     for (size_t i = begin; i < end; i++) {
-        double value = load_f32(x, dtype, i);
+        double value = rlhfz_load_f32(x, dtype, i);
         sum += value * value;
     }
     return sum;
@@ -89,7 +60,7 @@ double rlhfz_sumsq_chunk_scalar(const void *x, rlhfz_dtype dtype, size_t begin, 
 void rlhfz_scale_chunk_scalar(void *x, rlhfz_dtype dtype, float scale, size_t begin, size_t end)
 {
     for (size_t i = begin; i < end; i++)
-        store_f32(x, dtype, i, load_f32(x, dtype, i) * scale);
+        rlhfz_store_f32(x, dtype, i, rlhfz_load_f32(x, dtype, i) * scale);
 }
 
 void rlhfz_cast_chunk_scalar(const void *src, rlhfz_dtype src_dtype, void *dst,
@@ -97,7 +68,7 @@ void rlhfz_cast_chunk_scalar(const void *src, rlhfz_dtype src_dtype, void *dst,
 {
     /* 16-bit to 16-bit goes through fp32 exactly, so it rounds once */
     for (size_t i = begin; i < end; i++)
-        store_f32(dst, dst_dtype, i, load_f32(src, src_dtype, i));
+        rlhfz_store_f32(dst, dst_dtype, i, rlhfz_load_f32(src, src_dtype, i));
 }
 
 void rlhfz_traffic_chunk_scalar(float *p, const float *g, float *m, float *v, size_t begin,

@@ -112,6 +112,9 @@ size_t rlhfz_dtype_size(rlhfz_dtype dtype)
     case RLHFZ_DTYPE_BF16:
     case RLHFZ_DTYPE_F16:
         return 2;
+    case RLHFZ_DTYPE_I8:
+    case RLHFZ_DTYPE_U8:
+        return 1;
     }
     return 0;
 }

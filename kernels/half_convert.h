@@ -9,8 +9,11 @@
 #ifndef RLHFZ_HALF_CONVERT_H
 #define RLHFZ_HALF_CONVERT_H
 
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "rlhfz_kernels.h"
 
 static inline uint32_t rlhfz_f32_bits(float x)
 {
@@ -97,6 +100,35 @@ static inline uint16_t rlhfz_f32_to_f16(float x)
     if (rest > half || (rest == half && (result & 1u)))
         result += 1u;
     return (uint16_t)(sign | result);
+}
+
+/* ---- element i of an array in any of the kernels' dtypes ------------------- */
+
+static inline float rlhfz_load_f32(const void *x, rlhfz_dtype dtype, size_t i)
+{
+    switch (dtype) {
+    case RLHFZ_DTYPE_BF16:
+        return rlhfz_bf16_to_f32(((const uint16_t *)x)[i]);
+    case RLHFZ_DTYPE_F16:
+        return rlhfz_f16_to_f32(((const uint16_t *)x)[i]);
+    default:
+        return ((const float *)x)[i];
+    }
+}
+
+static inline void rlhfz_store_f32(void *x, rlhfz_dtype dtype, size_t i, float value)
+{
+    switch (dtype) {
+    case RLHFZ_DTYPE_BF16:
+        ((uint16_t *)x)[i] = rlhfz_f32_to_bf16(value);
+        break;
+    case RLHFZ_DTYPE_F16:
+        ((uint16_t *)x)[i] = rlhfz_f32_to_f16(value);
+        break;
+    default:
+        ((float *)x)[i] = value;
+        break;
+    }
 }
 
 #endif /* RLHFZ_HALF_CONVERT_H */

@@ -27,7 +27,10 @@ typedef enum {
 typedef enum {
     RLHFZ_DTYPE_F32 = 0,
     RLHFZ_DTYPE_BF16 = 1,
-    RLHFZ_DTYPE_F16 = 2
+    RLHFZ_DTYPE_F16 = 2,
+    /* the codes of int8 moments: only the low-precision step takes these */
+    RLHFZ_DTYPE_I8 = 3,
+    RLHFZ_DTYPE_U8 = 4
 } rlhfz_dtype;
 
 typedef enum {
@@ -94,6 +97,61 @@ rlhfz_status rlhfz_adamw_reference(const rlhfz_adamw_shard *shard,
 rlhfz_status rlhfz_adamw_cpu(const rlhfz_adamw_shard *shard,
                              const rlhfz_adamw_hparams *hp,
                              rlhfz_simd_level level);
+
+/* ---- AdamW with low-precision moments ------------------------------------ */
+
+/* How exp_avg and exp_avg_sq are stored. The master stays fp32 throughout. */
+typedef enum {
+    RLHFZ_STATE_BF16 = 1,        /* both moments as bf16 */
+    RLHFZ_STATE_INT8 = 2         /* blockwise codes, one fp32 scale per block per moment */
+} rlhfz_state_dtype;
+
+/* Elements per int8 block. Blocks are counted from the start of the shard
+ * part, so a part that starts on a block boundary of its bucket keeps the
+ * bucket's blocks. */
+#define RLHFZ_QBLOCK 256
+
+/* The int8 maps (lowp_state.h states them in code):
+ *   exp_avg:    int8 q in [-127, 127], value = q * |q| / 127^2 * scale, where
+ *               scale is the block's largest |exp_avg|: a signed square map,
+ *               fine near zero where moments crowd.
+ *   exp_avg_sq: uint8 q in [0, 255], value = (q^2 / 255^2)^2 * scale, where
+ *               scale is the block's largest exp_avg_sq: its square root, the
+ *               step's denominator, is square-spaced like exp_avg.
+ * A block whose moment is all zero has scale 0; one that holds an Inf or NaN
+ * has scale NaN and codes 0, so the whole block reads NaN. */
+typedef enum {
+    RLHFZ_ROUND_NEAREST = 0,     /* to nearest, ties to even */
+    RLHFZ_ROUND_STOCHASTIC = 1   /* up with probability of the distance, from a counter hash */
+} rlhfz_rounding;
+
+typedef struct {
+    float *master;
+    void *exp_avg;               /* bf16 bits, or int8 codes */
+    void *exp_avg_sq;            /* bf16 bits, or uint8 codes */
+    float *exp_avg_scale;        /* int8: one per block, ceil(n / RLHFZ_QBLOCK) */
+    float *exp_avg_sq_scale;
+    rlhfz_state_dtype state_dtype;
+    rlhfz_rounding rounding;
+    /* Stochastic rounding draws from hash(key, index_base + i): the same bits
+     * for an element wherever its shard part starts, so runs repeat across
+     * world sizes. The key mixes a seed with the step (rlhfz_rounding_key). */
+    uint32_t rounding_key;
+    uint64_t index_base;
+    const void *grad;
+    rlhfz_dtype grad_dtype;
+    void *param_out;
+    rlhfz_dtype param_dtype;
+    size_t n;
+} rlhfz_adamw_lowp_shard;
+
+/* The key of one step's stochastic rounding, from a seed and the step. */
+uint32_t rlhfz_rounding_key(uint32_t seed, uint64_t step);
+
+rlhfz_status rlhfz_adamw_lowp_reference(const rlhfz_adamw_lowp_shard *shard,
+                                        const rlhfz_adamw_hparams *hp);
+rlhfz_status rlhfz_adamw_lowp_cpu(const rlhfz_adamw_lowp_shard *shard,
+                                  const rlhfz_adamw_hparams *hp, rlhfz_simd_level level);
 
 /* ---- reductions, scaling and casts ---------------------------------------- */
 

@@ -130,9 +130,7 @@ SIMD_INLINE void adamw_vec(const rlhfz_adamw_shard *shard, const adamw_vconsts *
         write_from_f32(shard->param_out, (rlhfz_dtype)out, i, p, stream);
 }
 
-SIMD_INLINE void adamw_loop(const rlhfz_adamw_shard *shard, const rlhfz_adamw_consts *c,
-                            size_t begin, size_t end, rlhfz_dtype grad_dtype, int out,
-                            int stream)
+SIMD_INLINE adamw_vconsts adamw_vconsts_of(const rlhfz_adamw_consts *c)
 {
     adamw_vconsts k = {
         .grad_scale = simd_set1(c->grad_scale),
@@ -144,6 +142,14 @@ SIMD_INLINE void adamw_loop(const rlhfz_adamw_shard *shard, const rlhfz_adamw_co
         .step_size = simd_set1(c->step_size),
         .bias_correction2_rsqrt = simd_set1(c->bias_correction2_rsqrt),
     };
+    return k;
+}
+
+SIMD_INLINE void adamw_loop(const rlhfz_adamw_shard *shard, const rlhfz_adamw_consts *c,
+                            size_t begin, size_t end, rlhfz_dtype grad_dtype, int out,
+                            int stream)
+{
+    adamw_vconsts k = adamw_vconsts_of(c);
     size_t i = begin;
     for (; i + 4 * W <= end; i += 4 * W) {
         adamw_vec(shard, &k, i, grad_dtype, out, stream);

@@ -1,0 +1,130 @@
+/* lowp_chunks_scalar.c: the scalar level of AdamW with bf16 or int8 moments.
+ *
+ * The per-element math stated plainly, over elements [begin, end) of a flat
+ * shard part. The dispatcher (adamw_lowp_cpu.c) runs these where no SIMD
+ * level is usable, and the SIMD levels finish with them, so every level
+ * computes the same bits. Compiled without ISA flags, as cpu_chunks_scalar.c.
+ */
+#include "rlhfz_kernels.h"
+
+#include <math.h>
+#include <stdint.h>
+
+#include "cpu_kernels_simd.h"
+#include "half_convert.h"
+#include "lowp_state.h"
+
+float rlhfz_lowp_element_scalar(const rlhfz_adamw_lowp_shard *shard,
+                                const rlhfz_adamw_consts *c, size_t i, float *exp_avg,
+                                float *exp_avg_sq)
+{
+    float g = rlhfz_load_f32(shard->grad, shard->grad_dtype, i) * c->grad_scale;
+
+    /* decoupled weight decay */
+    float p = shard->master[i] * c->decay;
+
+    /* update the first moment: a lerp toward g */
+    float m = *exp_avg;
+    m = m + c->beta1_weight * (g - m);
+
+    /* update the second moment */
+    float v = *exp_avg_sq * c->beta2;
+    v = v + c->beta2_weight * g * g;
+
+    /* the bias-corrected step */
+    float root = sqrtf(v);
+    float denom = root * c->bias_correction2_rsqrt + c->eps;
+    p = p - c->step_size * (m / denom);
+
+    shard->master[i] = p;
+    if (shard->param_out)
+        rlhfz_store_f32(shard->param_out, shard->param_dtype, i, p);
+    *exp_avg = m;
+    *exp_avg_sq = v;
+    return root;
+}
+
+void rlhfz_lowp_bf16_chunk_scalar(const rlhfz_adamw_lowp_shard *shard,
+                                  const rlhfz_adamw_consts *c, size_t begin, size_t end)
+{
+    uint16_t *exp_avg = shard->exp_avg, *exp_avg_sq = shard->exp_avg_sq;
+    for (size_t i = begin; i < end; i++) {
+        float m = rlhfz_bf16_to_f32(exp_avg[i]);
+        float v = rlhfz_bf16_to_f32(exp_avg_sq[i]);
+        rlhfz_lowp_element_scalar(shard, c, i, &m, &v);
+
+        uint64_t index = shard->index_base + i;
+        uint32_t random = rlhfz_round_bits(rlhfz_index_key(shard->rounding_key, index), index);
+        exp_avg[i] = rlhfz_bf16_round(m, shard->rounding, random >> 16);
+        exp_avg_sq[i] = rlhfz_bf16_round(v, shard->rounding, random & 0xFFFFu);
+    }
+}
+
+void rlhfz_lowp_int8_encode_scalar(const rlhfz_adamw_lowp_shard *shard, size_t i,
+                                   float exp_avg, float exp_avg_root, float exp_avg_encode,
+                                   float exp_avg_sq_encode)
+{
+    uint64_t index = shard->index_base + i;
+    uint32_t random = rlhfz_round_bits(rlhfz_index_key(shard->rounding_key, index), index);
+    ((int8_t *)shard->exp_avg)[i] = rlhfz_q_exp_avg_code(
+        exp_avg, exp_avg_encode, shard->rounding, rlhfz_unit16(random >> 16));
+    ((uint8_t *)shard->exp_avg_sq)[i] = rlhfz_q_exp_avg_sq_code(
+        exp_avg_root, exp_avg_sq_encode, shard->rounding, rlhfz_unit16(random & 0xFFFFu));
+}
+
+void rlhfz_lowp_int8_step_scalar(const rlhfz_adamw_lowp_shard *shard,
+                                 const rlhfz_adamw_consts *c, size_t begin, size_t from,
+                                 size_t end, rlhfz_q_block *block)
+{
+    const int8_t *codes = shard->exp_avg;
+    const uint8_t *sq_codes = shard->exp_avg_sq;
+    for (size_t i = from; i < end; i++) {
+        float m = rlhfz_q_exp_avg_value(codes[i], block->decode);
+        float root = rlhfz_q_exp_avg_sq_root(sq_codes[i], block->sq_decode);
+        float v = root * root;
+        root = rlhfz_lowp_element_scalar(shard, c, i, &m, &v);
+        block->moments[i - begin] = m;
+        block->roots[i - begin] = root;
+
+        float magnitude = fabsf(m);
+        if (!isfinite(magnitude))
+            block->finite = 0;
+        else if (magnitude > block->largest)
+            block->largest = magnitude;
+        if (!isfinite(v))
+            block->sq_finite = 0;
+        else if (v > block->sq_largest)
+            block->sq_largest = v;
+    }
+}
+
+/* One block: decode and step every element, keeping the new moments, then
+ * encode them against the block's new scales. */
+static void int8_block(const rlhfz_adamw_lowp_shard *shard, const rlhfz_adamw_consts *c,
+                       size_t begin, size_t end)
+{
+    size_t index = begin / RLHFZ_QBLOCK;
+    rlhfz_q_block block = {
+        .decode = rlhfz_q_exp_avg_decode(shard->exp_avg_scale[index]),
+        .sq_decode = rlhfz_q_exp_avg_sq_decode(shard->exp_avg_sq_scale[index]),
+        .finite = 1, .sq_finite = 1};
+    rlhfz_lowp_int8_step_scalar(shard, c, begin, begin, end, &block);
+
+    float encode = rlhfz_q_exp_avg_encode(block.largest, block.finite,
+                                          &shard->exp_avg_scale[index]);
+    float sq_encode = rlhfz_q_exp_avg_sq_encode(block.sq_largest, block.sq_finite,
+                                                &shard->exp_avg_sq_scale[index]);
+    for (size_t i = begin; i < end; i++) {
+        /* a block that is not finite keeps all-zero codes under its NaN scale */
+        float m = block.finite ? block.moments[i - begin] : 0.0f;
+        float root = block.sq_finite ? block.roots[i - begin] : 0.0f;
+        rlhfz_lowp_int8_encode_scalar(shard, i, m, root, encode, sq_encode);
+    }
+}
+
+void rlhfz_lowp_int8_chunk_scalar(const rlhfz_adamw_lowp_shard *shard,
+                                  const rlhfz_adamw_consts *c, size_t begin, size_t end)
+{
+    for (size_t b = begin; b < end; b += RLHFZ_QBLOCK)
+        int8_block(shard, c, b, b + RLHFZ_QBLOCK < end ? b + RLHFZ_QBLOCK : end);
+}

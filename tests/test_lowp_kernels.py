@@ -1,0 +1,378 @@
+"""AdamW over bf16 and int8 moments against a float64 reference that stores
+the moments the same way.
+
+The float64 reference below decodes, steps and encodes with the maps the
+kernels document (rlhfz_kernels.h): bf16 rounded to nearest even or
+stochastically, int8 blockwise with a signed square map for exp_avg and a
+square map of sqrt(exp_avg_sq). Its only difference from the kernels is
+float64 arithmetic, so a code may differ by one where the exact value sits
+on a rounding boundary. Every SIMD level must give the C reference's bits.
+"""
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rlhfz import _C
+
+LEVELS = ["reference", "scalar", "avx2", "avx512"]
+_ORDER = {"scalar": 0, "avx2": 1, "avx512": 2}
+AVAILABLE = [lv for lv in LEVELS
+             if lv in ("reference", "scalar") or _ORDER[lv] <= _ORDER[_C.simd_level()]]
+SETTINGS = settings(max_examples=40, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+QBLOCK = _C.QBLOCK
+HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+
+sizes = st.one_of(st.integers(1, 70), st.integers(71, 3000), st.sampled_from([65537, 200_003]))
+
+
+# ---- the counter hash and the maps, in NumPy ---------------------------------
+
+def _mix32(x):
+    x = x.astype(np.uint64) & 0xFFFFFFFF
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    x ^= x >> 16
+    return x
+
+
+def _key(seed, step):
+    step_key = _mix32(np.array([(step & 0xFFFFFFFF) ^ int(_mix32(np.array([step >> 32]))[0])]))
+    seed_key = _mix32(np.array([(seed + 0x9E3779B9) & 0xFFFFFFFF]))
+    return int(_mix32(step_key ^ seed_key)[0])
+
+
+def random_bits(seed, step, index_base, n):
+    """The 32 random bits of each element (top 16: exp_avg, low 16: exp_avg_sq)."""
+    index = np.arange(n, dtype=np.uint64) + np.uint64(index_base)
+    key = _key(seed, step)
+    high = (index >> np.uint64(32)).astype(np.uint64)
+    index_key = _mix32(np.uint64(key) ^ high)
+    return _mix32((index & np.uint64(0xFFFFFFFF)) ^ index_key)
+
+
+def _bf16_bits(x32):
+    return torch.from_numpy(np.ascontiguousarray(x32, dtype=np.float32)).to(torch.bfloat16)
+
+
+def bf16_store(values, rounding, random16):
+    """float64 moments stored as bf16: nearest even via torch, or stochastic."""
+    x32 = values.astype(np.float32)
+    if rounding == "nearest":
+        return _bf16_bits(x32)
+    bits = x32.view(np.uint32).astype(np.uint64)
+    rounded = ((bits + random16.astype(np.uint64)) >> 16).astype(np.uint16)
+    return torch.from_numpy(rounded.view(np.int16).copy()).view(torch.bfloat16)
+
+
+def _code(x, top, rounding, u):
+    code = np.floor(x + u) if rounding == "stochastic" else np.rint(x)
+    return np.minimum(code, top)
+
+
+def int8_decode(codes, sq_codes, scales, sq_scales, n):
+    """float64 moments from codes: q|q|/127^2 * scale, ((q/255)^2)^2 * scale."""
+    block = np.arange(n) // QBLOCK
+    q = codes.astype(np.float64)
+    m = q * np.abs(q) / 127.0 ** 2 * scales.astype(np.float64)[block]
+    root = sq_codes.astype(np.float64) ** 2 / 255.0 ** 2 * np.sqrt(
+        sq_scales.astype(np.float64))[block]
+    return m, root * root
+
+
+def int8_encode(m, v, rounding, random):
+    n = m.size
+    blocks = (n + QBLOCK - 1) // QBLOCK
+    codes = np.zeros(n, np.int8)
+    sq_codes = np.zeros(n, np.uint8)
+    scales = np.zeros(blocks, np.float32)
+    sq_scales = np.zeros(blocks, np.float32)
+    u_m = (random >> 16).astype(np.float64) / 65536.0
+    u_v = (random & 0xFFFF).astype(np.float64) / 65536.0
+    for b in range(blocks):
+        s = slice(b * QBLOCK, min(n, (b + 1) * QBLOCK))
+        mb, vb = m[s], v[s]
+        if not np.all(np.isfinite(mb)):
+            scales[b] = np.nan
+        else:
+            scales[b] = np.abs(mb).max()
+            if scales[b] > 0:
+                x = np.sqrt(np.abs(mb) / float(scales[b])) * 127.0
+                q = _code(x, 127.0, rounding, u_m[s])
+                codes[s] = np.where(np.signbit(mb), -q, q).astype(np.int8)
+        if not np.all(np.isfinite(vb)):
+            sq_scales[b] = np.nan
+        else:
+            sq_scales[b] = vb.max()
+            if sq_scales[b] > 0:
+                x = np.sqrt(np.sqrt(vb) / math.sqrt(float(sq_scales[b]))) * 255.0
+                sq_codes[s] = _code(x, 255.0, rounding, u_v[s]).astype(np.uint8)
+    return codes, sq_codes, scales, sq_scales
+
+
+def adamw_f64(master, m, v, grad, step, maximize=False, grad_scale=1.0):
+    g = grad.astype(np.float64) * grad_scale
+    if maximize:
+        g = -g
+    p = master.astype(np.float64) * (1.0 - HP["lr"] * HP["weight_decay"])
+    m = m + (1.0 - HP["beta1"]) * (g - m)
+    v = v * HP["beta2"] + (1.0 - HP["beta2"]) * g * g
+    step_size = HP["lr"] / (1.0 - HP["beta1"] ** step)
+    denom = np.sqrt(v) / math.sqrt(1.0 - HP["beta2"] ** step) + HP["eps"]
+    return p - step_size * m / denom, m, v
+
+
+# ---- the state a call works on ------------------------------------------------
+
+class State:
+    def __init__(self, state_dtype, n, seed=0, zero_blocks=()):
+        gen = torch.Generator().manual_seed(seed)
+        self.n, self.state_dtype = n, state_dtype
+        self.master = torch.randn(n, generator=gen)
+        blocks = (n + QBLOCK - 1) // QBLOCK
+        if state_dtype == "bf16":
+            self.exp_avg = (torch.randn(n, generator=gen) * 1e-2).to(torch.bfloat16)
+            self.exp_avg_sq = (torch.rand(n, generator=gen) * 1e-4).to(torch.bfloat16)
+            self.scales = self.sq_scales = None
+        else:
+            self.exp_avg = torch.randint(-127, 128, (n,), generator=gen, dtype=torch.int8)
+            self.exp_avg_sq = torch.randint(0, 256, (n,), generator=gen).to(torch.uint8)
+            self.scales = torch.rand(blocks, generator=gen) * 1e-2
+            self.sq_scales = torch.rand(blocks, generator=gen) * 1e-4
+            for b in zero_blocks:
+                if b < blocks:
+                    self.scales[b] = self.sq_scales[b] = 0
+                    self.exp_avg[b * QBLOCK:(b + 1) * QBLOCK] = 0
+                    self.exp_avg_sq[b * QBLOCK:(b + 1) * QBLOCK] = 0
+
+    def clone(self):
+        other = State.__new__(State)
+        other.__dict__ = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                          for k, v in self.__dict__.items()}
+        return other
+
+    def step(self, grad, step, *, param_out=None, simd=None, **kw):
+        _C.adamw_step_lowp(self.master, self.exp_avg, self.exp_avg_sq, grad, param_out,
+                           exp_avg_scale=self.scales, exp_avg_sq_scale=self.sq_scales,
+                           step=step, simd=simd, **HP, **kw)
+
+    def moments(self):
+        """float64 values of the stored moments."""
+        if self.state_dtype == "bf16":
+            return (self.exp_avg.double().numpy(), self.exp_avg_sq.double().numpy())
+        return int8_decode(self.exp_avg.numpy(), self.exp_avg_sq.numpy(), self.scales.numpy(),
+                           self.sq_scales.numpy(), self.n)
+
+    def raw(self):
+        out = [self.master, self.exp_avg.view(torch.uint8) if self.exp_avg.dtype ==
+               torch.int8 else self.exp_avg.view(torch.int16), self.exp_avg_sq.view(
+                   torch.uint8) if self.exp_avg_sq.dtype == torch.uint8 else
+               self.exp_avg_sq.view(torch.int16)]
+        if self.scales is not None:
+            out += [self.scales, self.sq_scales]
+        return out
+
+
+def assert_bits_equal(a, b):
+    for x, y in zip(a.raw(), b.raw()):
+        assert torch.equal(x.view(torch.uint8) if x.dtype != torch.uint8 else x,
+                           y.view(torch.uint8) if y.dtype != torch.uint8 else y)
+
+
+# ---- against the float64 reference -------------------------------------------
+
+@SETTINGS
+@given(n=sizes, seed=st.integers(0, 2**16), state_dtype=st.sampled_from(["bf16", "int8"]),
+       rounding=st.sampled_from(["nearest", "stochastic"]),
+       grad_dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       index_base=st.sampled_from([0, 256 * 7, 2**32 - 512]))
+def test_lowp_step_matches_float64_reference(n, seed, state_dtype, rounding, grad_dtype,
+                                             index_base):
+    state = State(state_dtype, n, seed, zero_blocks=(1,))
+    gen = torch.Generator().manual_seed(seed + 1)
+    grad = (torch.randn(n, generator=gen) * 1e-2).to(grad_dtype)
+    m0, v0 = state.moments()
+    want_p, want_m, want_v = adamw_f64(state.master.numpy(), m0, v0, grad.float().numpy(), 3)
+    random = random_bits(seed, 3, index_base, n)
+
+    state.step(grad, 3, rounding=rounding, seed=seed, index_base=index_base, simd="reference")
+
+    np.testing.assert_allclose(state.master.double().numpy(), want_p, rtol=1e-5, atol=1e-7)
+    if state_dtype == "bf16":
+        want_ea = bf16_store(want_m, rounding, random >> 16)
+        want_eas = bf16_store(want_v, rounding, random & 0xFFFF)
+        g = np.abs(grad.double().numpy())
+        for got, want, exact, size in ((state.exp_avg, want_ea, want_m, np.abs(m0) + g),
+                                       (state.exp_avg_sq, want_eas, want_v, v0 + g * g)):
+            # within one bf16 step of the float64 value, past fp32's own error ...
+            err = np.abs(got.double().numpy() - exact)
+            assert np.all(err <= 2.0 ** -7 * np.abs(exact) + 1e-6 * size + 1e-30)
+            # ... and, but where the float64 value sits on a cut, the same bits
+            same = got.view(torch.int16) == want.view(torch.int16)
+            assert float(same.float().mean()) > 0.99
+        return
+    codes, sq_codes, scales, sq_scales = int8_encode(want_m, want_v, rounding, random)
+    np.testing.assert_allclose(state.scales.numpy(), scales, rtol=1e-5)
+    np.testing.assert_allclose(state.sq_scales.numpy(), sq_scales, rtol=1e-5)
+    for got, want in ((state.exp_avg, codes), (state.exp_avg_sq, sq_codes)):
+        diff = np.abs(got.numpy().astype(np.int32) - want.astype(np.int32))
+        assert diff.max() <= 1
+        assert (diff > 0).mean() < 0.01
+    # the stored moments are the true ones to within the maps' resolution
+    m, v = state.moments()
+    block = np.arange(n) // QBLOCK
+    # a code off by one on the square-root axis t moves the value by (2t + 1) steps
+    scale, sq_root = scales[block].astype(np.float64), np.sqrt(sq_scales[block].astype(
+        np.float64))
+    assert np.all(np.abs(m - want_m) <= 2.01 * np.sqrt(np.abs(want_m) * scale) / 127
+                  + 1.01 * scale / 127 ** 2 + 1e-12)
+    root = np.sqrt(want_v)
+    assert np.all(np.abs(np.sqrt(v) - root) <= 2.01 * np.sqrt(root * sq_root) / 255
+                  + 1.01 * sq_root / 255 ** 2 + 1e-12)
+
+
+def test_stochastic_rounding_is_unbiased():
+    """Rounding one value many times over (as many elements) averages to it."""
+    n = 1 << 16
+    value = 0.3 * 1e-2 + 1.234e-5
+    state = State("bf16", n)
+    state.exp_avg.fill_(0)
+    state.exp_avg_sq.fill_(0)
+    target_m = torch.full((n,), value)
+    # with beta1 = 0 the new exp_avg is the grad itself
+    _C.adamw_step_lowp(state.master, state.exp_avg, state.exp_avg_sq, target_m,
+                       step=1, rounding="stochastic", **{**HP, "beta1": 0.0})
+    stored = state.exp_avg.double()
+    assert stored.unique().numel() == 2
+    assert abs(float(stored.mean()) - value) < 1e-3 * value
+
+
+# ---- every level gives the reference's bits ---------------------------------
+
+@SETTINGS
+@given(n=sizes, seed=st.integers(0, 2**16), state_dtype=st.sampled_from(["bf16", "int8"]),
+       rounding=st.sampled_from(["nearest", "stochastic"]),
+       grad_dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       param_dtype=st.sampled_from([None, torch.float32, torch.bfloat16, torch.float16]),
+       maximize=st.booleans(), index_base=st.sampled_from([0, 2**32 - 300, 5 * 2**32 + 3]))
+def test_every_level_gives_the_reference_bits(n, seed, state_dtype, rounding, grad_dtype,
+                                              param_dtype, maximize, index_base):
+    base = State(state_dtype, n, seed, zero_blocks=(0, 2))
+    gen = torch.Generator().manual_seed(seed + 7)
+    grads = [(torch.randn(n, generator=gen) * 10.0 ** -k).to(grad_dtype) for k in (1, 3)]
+    results = {}
+    for level in AVAILABLE:
+        state = base.clone()
+        out = torch.empty(n, dtype=param_dtype) if param_dtype else None
+        for step, grad in enumerate(grads, start=5):
+            state.step(grad, step, param_out=out, simd=level, rounding=rounding, seed=seed,
+                       index_base=index_base, maximize=maximize, grad_scale=0.5)
+        results[level] = (state, out)
+    ref_state, ref_out = results["reference"]
+    for level in AVAILABLE[1:]:
+        state, out = results[level]
+        assert_bits_equal(state, ref_state)
+        if param_dtype is not None:
+            assert torch.equal(out.view(torch.uint8), ref_out.view(torch.uint8))
+            assert torch.equal(out, ref_state.master.to(param_dtype))
+
+
+@pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
+def test_parts_with_their_index_base_give_the_whole_shard(state_dtype):
+    """A shard cut into parts at block boundaries, each called with its offset,
+    steps exactly as the whole: stochastic rounding does not depend on where a
+    shard part starts, so runs repeat across world sizes."""
+    n = 10 * QBLOCK + 37
+    whole = State(state_dtype, n, seed=3)
+    parts = whole.clone()
+    grad = torch.randn(n) * 1e-2
+    whole.step(grad, 9, rounding="stochastic", seed=11, index_base=1000 * QBLOCK)
+    for a, b in ((0, 3 * QBLOCK), (3 * QBLOCK, 8 * QBLOCK), (8 * QBLOCK, n)):
+        blocks = slice(a // QBLOCK, (b + QBLOCK - 1) // QBLOCK)
+        _C.adamw_step_lowp(parts.master[a:b], parts.exp_avg[a:b], parts.exp_avg_sq[a:b],
+                           grad[a:b], exp_avg_scale=None if parts.scales is None
+                           else parts.scales[blocks], exp_avg_sq_scale=None
+                           if parts.sq_scales is None else parts.sq_scales[blocks],
+                           step=9, rounding="stochastic", seed=11,
+                           index_base=1000 * QBLOCK + a, **HP)
+    assert_bits_equal(parts, whole)
+
+
+@pytest.mark.parametrize("level", AVAILABLE)
+def test_a_nonfinite_block_reads_nan_and_leaves_the_others(level):
+    n = 4 * QBLOCK
+    state = State("int8", n, seed=5)
+    grad = torch.randn(n) * 1e-2
+    grad[QBLOCK + 17] = float("nan")
+    grad[2 * QBLOCK + 3] = float("inf")
+    clean = state.clone()
+    clean.step(torch.where(grad.isfinite(), grad, 0), 2, simd=level)
+    state.step(grad, 2, simd=level)
+    assert state.scales[1].isnan() and state.sq_scales[1].isnan()
+    assert state.scales[2].isnan() and state.sq_scales[2].isnan()
+    assert int(state.exp_avg[QBLOCK:3 * QBLOCK].abs().sum()) == 0
+    for b in (0, 3):
+        s = slice(b * QBLOCK, (b + 1) * QBLOCK)
+        assert torch.equal(state.exp_avg[s], clean.exp_avg[s])
+        assert torch.equal(state.exp_avg_sq[s], clean.exp_avg_sq[s])
+        assert state.scales[b] == clean.scales[b]
+    m, _ = state.moments()
+    assert np.isnan(m[QBLOCK:3 * QBLOCK]).all()
+
+
+# ---- bad input is refused, and nothing changes -------------------------------
+
+def _bad_calls():
+    n = 300
+    master, grad = torch.zeros(n), torch.zeros(n)
+    i8, u8 = torch.zeros(n, dtype=torch.int8), torch.zeros(n, dtype=torch.uint8)
+    bf = torch.zeros(n, dtype=torch.bfloat16)
+    sc, sc_bad = torch.zeros(2), torch.zeros(3)
+    return [
+        (dict(master=master, exp_avg=i8, exp_avg_sq=u8, grad=grad), TypeError, "need"),
+        (dict(master=master, exp_avg=i8, exp_avg_sq=u8, grad=grad, exp_avg_scale=sc,
+              exp_avg_sq_scale=sc_bad), ValueError, "blocks"),
+        (dict(master=master, exp_avg=i8, exp_avg_sq=i8.clone(), grad=grad, exp_avg_scale=sc,
+              exp_avg_sq_scale=sc.clone()), TypeError, "uint8"),
+        (dict(master=master, exp_avg=bf, exp_avg_sq=bf.clone(), grad=grad, exp_avg_scale=sc,
+              exp_avg_sq_scale=sc.clone()), ValueError, "no scales"),
+        (dict(master=master, exp_avg=torch.zeros(n), exp_avg_sq=torch.zeros(n), grad=grad),
+         TypeError, "bfloat16"),
+        (dict(master=master, exp_avg=bf, exp_avg_sq=bf, grad=grad), ValueError, "overlap"),
+        (dict(master=master, exp_avg=bf, exp_avg_sq=bf.clone(), grad=i8), BufferError, "int8"),
+        (dict(master=master, exp_avg=bf, exp_avg_sq=torch.zeros(n + 1, dtype=torch.bfloat16),
+              grad=grad), ValueError, "elements"),
+        (dict(master=master, exp_avg=bf, exp_avg_sq=bf.clone(), grad=grad, rounding="up"),
+         ValueError, "rounding"),
+        (dict(master=master, exp_avg=bf, exp_avg_sq=bf.clone(), grad=grad, seed=-1),
+         ValueError, "seed"),
+        (dict(master=master, exp_avg=bf, exp_avg_sq=bf.clone(), grad=grad, index_base=-5),
+         ValueError, "index_base"),
+    ]
+
+
+@pytest.mark.parametrize("call", range(len(_bad_calls())))
+def test_bad_input_is_refused_and_changes_nothing(call):
+    kwargs, error, text = _bad_calls()[call]
+    kwargs = {**kwargs}
+    before = {k: v.clone() for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(error, match=text):
+        _C.adamw_step_lowp(step=1, **HP, **kwargs)
+    for k, v in before.items():
+        assert torch.equal(kwargs[k].view(torch.uint8) if kwargs[k].dtype == torch.bfloat16
+                           else kwargs[k], v.view(torch.uint8) if v.dtype == torch.bfloat16
+                           else v)
+
+
+def test_codes_are_taken_only_by_the_low_precision_step():
+    """int8 arrays stay refused everywhere else (buffers, casts, NCCL)."""
+    with pytest.raises(BufferError, match="int8"):
+        _C.sumsq(torch.zeros(4, dtype=torch.int8))
+    with pytest.raises(TypeError):
+        _C.Buffer(64, tier="host").view("int8")
