@@ -332,6 +332,11 @@ int rlhfz_array_from_object(rlhfz_state *state, PyObject *obj, const char *name,
                          "memory (cuda)", name, rlhfz_tier_name(view->buffer->tier));
             return -1;
         }
+        if (rlhfz_dtype_is_codes(view->dtype) && !(flags & RLHFZ_BORROW_CODES)) {
+            PyErr_Format(PyExc_BufferError, "%s has dtype %s; supported dtypes are float32, "
+                         "bfloat16 and float16", name, rlhfz_dtype_name(view->dtype));
+            return -1;
+        }
         out->data = (char *)view->buffer->data + view->offset * rlhfz_dtype_size(view->dtype);
         out->dtype = view->dtype;
         out->numel = view->numel;

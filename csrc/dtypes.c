@@ -36,8 +36,6 @@ int rlhfz_dtype_from_object(PyObject *obj, rlhfz_dtype *out)
     if (text == NULL)
         return -1;
     for (size_t i = 0; i < DTYPE_COUNT; i++) {
-        if (dtype_table[i].codes)
-            continue;
         if (PyUnicode_CompareWithASCIIString(text, dtype_table[i].name) == 0 ||
             PyUnicode_CompareWithASCIIString(text, dtype_table[i].alias) == 0) {
             *out = dtype_table[i].dtype;
@@ -45,9 +43,18 @@ int rlhfz_dtype_from_object(PyObject *obj, rlhfz_dtype *out)
             return 0;
         }
     }
-    PyErr_Format(PyExc_TypeError, "unsupported dtype %R: expected float32, bfloat16 or float16", text);
+    PyErr_Format(PyExc_TypeError, "unsupported dtype %R: expected float32, bfloat16 or "
+                 "float16 (or int8 / uint8 for the codes of int8 moments)", text);
     Py_DECREF(text);
     return -1;
+}
+
+int rlhfz_dtype_is_codes(rlhfz_dtype dtype)
+{
+    for (size_t i = 0; i < DTYPE_COUNT; i++)
+        if (dtype_table[i].dtype == dtype)
+            return dtype_table[i].codes;
+    return 0;
 }
 
 DLDataType rlhfz_dtype_to_dl(rlhfz_dtype dtype)

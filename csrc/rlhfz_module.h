@@ -151,10 +151,13 @@ void rlhfz_array_release(rlhfz_array *array);
 int rlhfz_buffer_import_dlpack(rlhfz_Buffer *buffer, PyObject *obj);
 PyObject *rlhfz_describe_dlpack(PyObject *module, PyObject *obj);
 
-/* dtypes.c: "float32", "bfloat16", "float16" (or torch's str of them), the
+/* dtypes.c: "float32", "bfloat16", "float16", "int8", "uint8" (or torch's str of them), the
  * kernels' enum and DLPack's types. from_object raises TypeError; from_dl
  * returns -1 without an exception (the caller names the argument). */
 int rlhfz_dtype_from_object(PyObject *obj, rlhfz_dtype *out);
+/* Whether dtype is one of the int8 moments' code types, which only the
+ * low-precision step takes (RLHFZ_BORROW_CODES). */
+int rlhfz_dtype_is_codes(rlhfz_dtype dtype);
 const char *rlhfz_dtype_name(rlhfz_dtype dtype);
 DLDataType rlhfz_dtype_to_dl(rlhfz_dtype dtype);
 int rlhfz_dtype_from_dl(DLDataType dl, int codes, rlhfz_dtype *out);

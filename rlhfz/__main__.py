@@ -60,7 +60,8 @@ def _cmd_estimate(args) -> int:
         result = estimate_bytes(args.params, world_size=args.world_size, stage=args.stage,
                                 param_dtype=args.dtype, offload=args.offload,
                                 offload_ratio=1.0 if args.offload_ratio is None
-                                else args.offload_ratio, bucket_bytes=args.bucket_bytes)
+                                else args.offload_ratio, bucket_bytes=args.bucket_bytes,
+                                state_dtype=args.state_dtype)
     except ValueError as error:
         return _usage_error("estimate", str(error))
     print(format_estimate(result, args))
@@ -144,6 +145,8 @@ def main(argv=None) -> int:
     estimate.add_argument("--stage", type=int, default=2, choices=(0, 1, 2, 3))
     estimate.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
     estimate.add_argument("--offload", default=None, choices=("cpu",))
+    estimate.add_argument("--state-dtype", default="fp32", choices=("fp32", "bf16", "int8"),
+                          help="how exp_avg and exp_avg_sq are kept (ZeroAdamW's state_dtype)")
     estimate.add_argument("--offload-ratio", type=_ratio, default=None,
                           help="share of the optimizer state on the host (with --offload "
                                "cpu; default 1.0)")

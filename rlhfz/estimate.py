@@ -1,7 +1,10 @@
 """Expected bytes per rank for a model under each ZeRO stage and offload choice.
 
 The same accounting as ZeroAdamW.memory_report(): params and grads in the
-param dtype, fp32 master weights only for 16-bit params, two fp32 moments.
+param dtype, fp32 master weights only for 16-bit params, two moments in the
+state dtype: fp32 (4 bytes each), bf16 (2) or int8 (1, plus a 4-byte scale
+per block of 256, counted with its moment; params under min_8bit_size
+elements keep fp32 moments, left out here).
 Stage 2 grads across ranks are the shard plus the reducer's staging: two
 slots of the bucket cap (one param group assumed; a param above the cap goes
 through the slots in pieces). Padding (at most one alignment unit per
@@ -10,19 +13,24 @@ bucket) is left out.
 from __future__ import annotations
 
 from .engine.layout import MIN_BUCKET_BYTES, stage2_bucket_bytes
+from .engine.moments import QBLOCK
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+# bytes of one moment per element, by state_dtype
+_MOMENT_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / QBLOCK}
 
 
 def estimate_bytes(params: int, world_size: int = 1, stage: int = 2,
                    param_dtype: str = "bfloat16", offload: str | None = None,
-                   offload_ratio: float = 1.0,
-                   bucket_bytes: int | None = None) -> dict[str, dict[str, int]]:
+                   offload_ratio: float = 1.0, bucket_bytes: int | None = None,
+                   state_dtype: str = "fp32") -> dict[str, dict[str, int]]:
     """{kind: {tier: bytes}} on one rank; tiers 'device' and 'host'."""
     if params < 0 or world_size < 1 or stage not in (0, 1, 2, 3):
         raise ValueError("params >= 0, world_size >= 1 and stage in 0..3 are required")
     if param_dtype not in _ITEMSIZE:
         raise ValueError(f"param_dtype must be one of {sorted(_ITEMSIZE)}")
+    if state_dtype not in _MOMENT_BYTES:
+        raise ValueError(f"state_dtype must be one of {sorted(_MOMENT_BYTES)}")
     if not 0.0 <= offload_ratio <= 1.0:
         raise ValueError("offload_ratio must be in [0, 1]")
     if bucket_bytes is not None and bucket_bytes < MIN_BUCKET_BYTES:
@@ -38,8 +46,8 @@ def estimate_bytes(params: int, world_size: int = 1, stage: int = 2,
         "grads": grads,
         "master": 0 if itemsize == 4 and offload is None else
                   (params if stage == 0 else per_rank) * 4,
-        "exp_avg": (params if stage == 0 else per_rank) * 4,
-        "exp_avg_sq": (params if stage == 0 else per_rank) * 4,
+        "exp_avg": round((params if stage == 0 else per_rank) * _MOMENT_BYTES[state_dtype]),
+        "exp_avg_sq": round((params if stage == 0 else per_rank) * _MOMENT_BYTES[state_dtype]),
     }
     report = {kind: {"device": nbytes, "host": 0} for kind, nbytes in full.items()}
     if offload == "cpu":
@@ -51,7 +59,8 @@ def estimate_bytes(params: int, world_size: int = 1, stage: int = 2,
 
 def format_estimate(report: dict[str, dict[str, int]], args) -> str:
     gib = 1024 ** 3
-    lines = [f"per-rank bytes for {args.params:,} {args.dtype} params, world size "
+    lines = [f"per-rank bytes for {args.params:,} {args.dtype} params, {args.state_dtype} "
+             f"moments, world size "
              f"{args.world_size}, stage {args.stage}, offload {args.offload or 'none'}"
              + (f" (ratio {1.0 if args.offload_ratio is None else args.offload_ratio})"
                 if args.offload else "")]

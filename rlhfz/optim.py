@@ -19,7 +19,8 @@ from . import state_dict as translate
 from .comm import communicator_for
 from .engine import ShardEngine, backend_for, host_buffer
 from .optim_options import (check_engine_options, check_group, check_hparams, check_params,
-                            check_unsupported, common_device, group_hparams)
+                            check_state_dtype, check_unsupported, common_device,
+                            group_hparams, group_storage)
 from .reducer import GradReducer
 from .sharding import check_sharded_model, shard_with, sharding_of, sharding_of_model
 from .state_dict import SHARDED_FORMAT, consolidate_sharded  # noqa: F401  (public here)
@@ -92,7 +93,7 @@ class ZeroAdamW(Optimizer):
                  differentiable=False, fused=None, stage=2, process_group=None, offload=None,
                  offload_ratio=1.0, pin_memory="auto", nonfinite="raise", wrap=None,
                  param_persistence_threshold=100_000, reduce_dtype=None, collectives="torch",
-                 bucket_bytes=None):
+                 bucket_bytes=None, state_dtype="fp32", min_8bit_size=4096):
         # the options besides torch's defaults, from which a copy is built (__getstate__)
         self._options = dict(stage=stage, offload=offload, offload_ratio=offload_ratio,
                              pin_memory=pin_memory, nonfinite=nonfinite, wrap=wrap,
@@ -100,6 +101,7 @@ class ZeroAdamW(Optimizer):
                              reduce_dtype=reduce_dtype, collectives=collectives,
                              bucket_bytes=bucket_bytes)
         check_hparams(lr, betas, eps, weight_decay)
+        check_state_dtype(state_dtype, min_8bit_size)
         check_unsupported(dict(amsgrad=amsgrad, capturable=capturable,
                                differentiable=differentiable, foreach=foreach, fused=fused))
         check_engine_options(stage, offload, offload_ratio, pin_memory, nonfinite,
@@ -154,6 +156,7 @@ class ZeroAdamW(Optimizer):
         self.wrap = wrap
         self.param_persistence_threshold = param_persistence_threshold
         self.skipped_steps = 0
+        self._built_storage: list[tuple] = []   # each group's (state_dtype, min_8bit_size)
         # offload="cpu": this fraction of each shard's optimizer state lives
         # and steps on the host (pinned per pin_memory, like offload()).
         # Nothing the engine keeps refers back to the optimizer: with no cycle,
@@ -179,7 +182,8 @@ class ZeroAdamW(Optimizer):
             self.engine.reducer.after_flush = self.stage3.release_all
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
                         maximize=maximize, foreach=foreach, capturable=False,
-                        differentiable=False, fused=fused, decoupled_weight_decay=True)
+                        differentiable=False, fused=fused, decoupled_weight_decay=True,
+                        state_dtype=state_dtype, min_8bit_size=min_8bit_size)
         super().__init__(params, defaults)
         _LIVE.add(self)
 
@@ -218,16 +222,26 @@ class ZeroAdamW(Optimizer):
                 f"(model.to() / .cuda() / .cpu()); ZeroAdamW follows such a move in one "
                 f"process at stages 0-2, not {where}: build the optimizer after placing the "
                 f"model, or use offload() / reload() to move its memory")
-        backend = backend_for(target)
         self.synchronize()
-        params = [p for group in self.param_groups for p in group["params"]]
-        saved = {p: dict(self.state[p]) for p in params if p in self.state}
+        # torch's form of the state (fp32 moments), over the old buckets' memory
+        moved = {"param_groups": translate.packed_groups(self.param_groups),
+                 "state": translate.gathered_state(self.engine, self.param_groups)}
+        self._rebuild(backend_for(target), target, self._built_storage)
+        index_to_param = translate.check_state_dict(self.engine, self.param_groups, moved)
+        translate.load_checked(self.engine, self.param_groups, moved, index_to_param)
+
+    def _rebuild(self, backend, device, storage: list[tuple]) -> None:
+        """New buckets for every group, on `backend`, each group's moments
+        kept as storage[i] says; the params become views of them and the old
+        engine's memory is freed (tensors still viewing it keep theirs).
+        The state is not carried over: the caller loads one. Everything is
+        allocated first: out of memory, nothing has changed."""
         old = (self.engine, self.backend, self.device)
-        self.backend, self.device = backend, target
+        self.backend, self.device = backend, device
         try:
             self._make_engine()
-            # allocate every group's buckets first: out of memory, nothing has moved
-            made = [self.engine.make_buckets(index, self._parts(list(group["params"])))
+            made = [self.engine.make_buckets(index, self._parts(list(group["params"])),
+                                             *storage[index])
                     for index, group in enumerate(self.param_groups)]
         except BaseException:
             self.engine, self.backend, self.device = old
@@ -235,11 +249,7 @@ class ZeroAdamW(Optimizer):
         for group_made in made:
             self.engine.attach([b for _, buckets in group_made for b in buckets])
         old[0].detach()
-        position = translate.positions(self.param_groups)
-        moved = {"param_groups": translate.packed_groups(self.param_groups),
-                 "state": {position[id(p)]: entry for p, entry in saved.items()}}
-        index_to_param = translate.check_state_dict(self.engine, self.param_groups, moved)
-        translate.load_checked(self.engine, self.param_groups, moved, index_to_param)
+        self._built_storage = list(storage)
 
     # ---- copies ----------------------------------------------------------------
 
@@ -259,7 +269,7 @@ class ZeroAdamW(Optimizer):
         groups = [{k: v for k, v in g.items() if k != "param_names"} for g in self.param_groups]
         options = {**{k: v for k, v in self.defaults.items()
                       if k in ("lr", "betas", "eps", "weight_decay", "maximize", "foreach",
-                               "fused")}, **self._options}
+                               "fused", "state_dtype", "min_8bit_size")}, **self._options}
         return {"options": options, "param_groups": groups, "state_dict": self.state_dict()}
 
     def __setstate__(self, saved: dict[str, Any]) -> None:
@@ -291,7 +301,9 @@ class ZeroAdamW(Optimizer):
         params = list(params)
         tensors = [p[1] if isinstance(p, tuple) else p for p in params]
         check_params(tensors, self.device, self.param_groups)
-        check_group({**self.defaults, **{k: v for k, v in group.items() if k != "params"}})
+        options = {**self.defaults, **{k: v for k, v in group.items() if k != "params"}}
+        check_group(options)
+        self._check_storage_supported(options)
         if self.sharding is not None:
             self.sharding.check_trainable(tensors)
             self.sharding.take(tensors)       # whole again, out of the frozen buckets
@@ -301,13 +313,15 @@ class ZeroAdamW(Optimizer):
         # fails, neither the optimizer nor the model has changed (params
         # taken from the frozen buckets go back to them).
         try:
-            made = self.engine.make_buckets(len(self.param_groups), self._parts(tensors))
+            made = self.engine.make_buckets(len(self.param_groups), self._parts(tensors),
+                                            *group_storage(options))
         except BaseException:
             if self.sharding is not None:
                 self.sharding.give_back(tensors)
             raise
         group["params"] = params
         super().add_param_group(group)
+        self._built_storage.append(group_storage(self.param_groups[-1]))
         param_group.clear()
         param_group.update(self.param_groups[-1])
         self.param_groups[-1] = param_group
@@ -315,6 +329,52 @@ class ZeroAdamW(Optimizer):
         units = [(unit, buckets) for unit, buckets in made if unit is not None and buckets]
         if units:
             self.stage3.add_units(units)
+
+    def _check_storage_supported(self, options: dict) -> None:
+        """Low-precision moments where this version of rlhfz keeps them:
+        host-resident buckets, without offload="cpu"."""
+        state_dtype = options["state_dtype"]
+        if state_dtype == "fp32":
+            return
+        where = ("with offload='cpu'" if self.offload_target == "cpu" else
+                 f"for params on {self.device}" if self.backend.tier == "device" else None)
+        if where is not None:
+            raise ValueError(f"state_dtype={state_dtype!r} is not supported {where} yet; "
+                             f"use state_dtype='fp32' there")
+
+    def _reform(self, storage: list[tuple]) -> None:
+        """A state dict that keeps its moments in another form (state_dtype,
+        min_8bit_size): the buckets are built anew in that form, in one
+        process at stages 0-2; elsewhere this refuses, before anything
+        changes."""
+        where = ("across processes" if self.comm is not None else
+                 "at stage 3" if self.stage == 3 else
+                 "while state is offloaded (call reload() first)" if self.engine.offloaded
+                 else None)
+        if where is not None:
+            raise ValueError(
+                f"the state dict keeps its moments as (state_dtype, min_8bit_size) "
+                f"{storage}, this optimizer as {self._built_storage}; switching is done in "
+                f"one process at stages 0-2, not {where}: build the optimizer with the "
+                f"state dict's state_dtype, or set its param_groups' state_dtype to this "
+                f"optimizer's before loading")
+        for (state_dtype, _), group in zip(storage, self.param_groups):
+            self._check_storage_supported({**group, "state_dtype": state_dtype})
+        self.synchronize()
+        self._rebuild(self.backend, self.device, storage)
+
+    def _check_storage_unchanged(self) -> None:
+        """The moments stay in the form their buckets were built with: a
+        group's state_dtype or min_8bit_size changed afterwards would be
+        silently ignored, so it is refused."""
+        for index, (group, built) in enumerate(zip(self.param_groups, self._built_storage)):
+            now = group_storage(group)
+            if now != built:
+                raise ValueError(
+                    f"param_groups[{index}] asks for (state_dtype, min_8bit_size) {now}, but "
+                    f"its moments were built as {built}: they cannot change form in place. "
+                    f"Build a new ZeroAdamW with the new options and load this one's "
+                    f"state_dict() into it.")
 
     def _parts(self, tensors: list) -> list[tuple]:
         """[(stage-3 unit or None, params, sharded)] of a new group."""
@@ -402,6 +462,7 @@ class ZeroAdamW(Optimizer):
         # Everything that can fail is checked before the first kernel runs,
         # so a refused step leaves params and state exactly as they were.
         hparams = [group_hparams(group) for group in self.param_groups]
+        self._check_storage_unchanged()
         self._follow_moved_params()
         plans = self.engine.plan()
         if grad_scaler is not None and not self._scaler_unscale(plans, grad_scaler):
@@ -429,13 +490,15 @@ class ZeroAdamW(Optimizer):
     # ---- state dicts -------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The torch.optim.AdamW format. Across processes this is a collective
-        (every rank calls it, and every rank gets the whole dict)."""
+        """The torch.optim.AdamW format, with fp32 moments whatever their
+        state_dtype (so torch's AdamW loads it). Across processes this is a
+        collective (every rank calls it, and every rank gets the whole dict)."""
         self.synchronize()
-        if self.comm is None:
+        if self.comm is None and all(b.state_dtype == "fp32" for b in self.engine.buckets):
             return super().state_dict()
-        self.comm.agree("ZeroAdamW.state_dict",
-                        {"buckets": [len(b.params) for b in self.engine.buckets]})
+        if self.comm is not None:
+            self.comm.agree("ZeroAdamW.state_dict",
+                            {"buckets": [len(b.params) for b in self.engine.buckets]})
         # torch's post-hooks see the finished dict: this rank's shards are
         # replaced by the whole state below, so they run after that
         post_hooks = self._optimizer_state_dict_post_hooks
@@ -485,6 +548,11 @@ class ZeroAdamW(Optimizer):
         if self.comm is not None:
             self.comm.agree("ZeroAdamW.load_state_dict",
                             {"buckets": [len(b.params) for b in self.engine.buckets]})
+        storage = translate.storage_after_load(self.param_groups, state_dict)
+        if storage != self._built_storage:
+            self._reform(storage)
+            index_to_param = translate.check_state_dict(self.engine, self.param_groups,
+                                                        state_dict)
         translate.load_checked(self.engine, self.param_groups, state_dict, index_to_param)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .engine import DTYPE_NAMES, MIN_BUCKET_BYTES
+from .engine import DTYPE_NAMES, MIN_BUCKET_BYTES, STATE_DTYPES
 
 
 def _number(name: str, value) -> float:
@@ -55,10 +55,25 @@ def check_unsupported(options: dict[str, Any]) -> None:
         raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
 
 
+def check_state_dtype(state_dtype, min_8bit_size) -> None:
+    if not isinstance(state_dtype, str) or state_dtype not in STATE_DTYPES:
+        raise ValueError(f"state_dtype must be one of {', '.join(map(repr, STATE_DTYPES))}, "
+                         f"not {state_dtype!r}")
+    if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int) \
+            or min_8bit_size < 0:
+        raise ValueError(f"min_8bit_size must be an int >= 0, not {min_8bit_size!r}")
+
+
+def group_storage(group) -> tuple[str, int]:
+    """How a param group keeps its moments: (state_dtype, min_8bit_size)."""
+    return group["state_dtype"], group["min_8bit_size"]
+
+
 def check_group(options: dict[str, Any]) -> None:
     """A param group's options (merged over the defaults)."""
     check_unsupported(options)
     check_hparams(options["lr"], options["betas"], options["eps"], options["weight_decay"])
+    check_state_dtype(options.get("state_dtype", "fp32"), options.get("min_8bit_size", 4096))
 
 
 def group_hparams(group) -> dict[str, Any]:

@@ -39,8 +39,9 @@ def packed_groups(param_groups) -> list[dict]:
 # ---- out ----------------------------------------------------------------------------------
 
 def gathered_state(engine, param_groups) -> dict[int, dict[str, torch.Tensor]]:
-    """torch's "state" with whole tensors: a collective across ranks (each
-    state is all-gathered bucket by bucket)."""
+    """torch's "state" with whole fp32 tensors (low-precision moments
+    decoded): a collective across ranks (each state is all-gathered bucket
+    by bucket)."""
     position = positions(param_groups)
     state = {}
     for bucket in engine.buckets:
@@ -50,6 +51,9 @@ def gathered_state(engine, param_groups) -> dict[int, dict[str, torch.Tensor]]:
             shards.append(("master_param", bucket.state.full_shard("master")))
         full = {}
         for name, shard in shards:
+            if engine.comm is None:           # one rank: its shard is the whole bucket
+                full[name] = shard
+                continue
             full[name] = torch.empty(bucket.layout.padded_numel, dtype=torch.float32,
                                      device=engine.device)
             engine.comm.all_gather(full[name], shard)
@@ -188,6 +192,17 @@ def check_state_entry(key, entry, shape: tuple) -> None:
         if not value.is_floating_point():
             raise ValueError(f"state[{key!r}][{name!r}] must be floating point, "
                              f"not {value.dtype}")
+
+
+def storage_after_load(param_groups, state_dict) -> list[tuple]:
+    """Each group's (state_dtype, min_8bit_size) once the dict is loaded:
+    the dict's where it names them (a dict from torch names none)."""
+    storage = []
+    for group, saved in zip(param_groups, state_dict["param_groups"]):
+        merged = {**group, **{k: saved[k] for k in ("state_dtype", "min_8bit_size")
+                              if k in saved}}
+        storage.append((merged["state_dtype"], merged["min_8bit_size"]))
+    return storage
 
 
 def load_checked(engine, param_groups, state_dict, index_to_param) -> None:

@@ -371,8 +371,38 @@ def test_bad_input_is_refused_and_changes_nothing(call):
 
 
 def test_codes_are_taken_only_by_the_low_precision_step():
-    """int8 arrays stay refused everywhere else (buffers, casts, NCCL)."""
-    with pytest.raises(BufferError, match="int8"):
-        _C.sumsq(torch.zeros(4, dtype=torch.int8))
-    with pytest.raises(TypeError):
-        _C.Buffer(64, tier="host").view("int8")
+    """int8 codes (torch tensors, or views of rlhfz buffers) are refused by
+    every other kernel."""
+    buffer = _C.Buffer(64)
+    for codes in (torch.zeros(4, dtype=torch.int8), buffer.view("int8"), buffer.view("uint8")):
+        with pytest.raises(BufferError, match="int8|uint8"):
+            _C.sumsq(codes)
+        with pytest.raises(BufferError, match="int8|uint8"):
+            _C.scale_(codes, 2.0)
+    with pytest.raises(BufferError, match="uint8"):
+        _C.describe_dlpack(torch.zeros(4, dtype=torch.uint8))
+
+
+def test_buffer_views_of_codes_step_in_place():
+    n = 3 * QBLOCK
+    buffers = {name: _C.Buffer(n * size) for name, size in
+               (("master", 4), ("grad", 4), ("exp_avg", 1), ("exp_avg_sq", 1))}
+    scales = [_C.Buffer(16), _C.Buffer(16)]
+    views = {"master": buffers["master"].view("float32"), "grad": buffers["grad"].view("float32"),
+             "exp_avg": buffers["exp_avg"].view("int8"),
+             "exp_avg_sq": buffers["exp_avg_sq"].view("uint8")}
+    torch.from_dlpack(views["grad"]).copy_(torch.randn(n))
+    state = State("int8", n)
+    state.master.zero_()
+    state.exp_avg.zero_()
+    state.exp_avg_sq.zero_()
+    state.scales.zero_()
+    state.sq_scales.zero_()
+    grad = torch.from_dlpack(views["grad"]).clone()
+    state.step(grad, 1)
+    _C.adamw_step_lowp(views["master"], views["exp_avg"], views["exp_avg_sq"], views["grad"],
+                       exp_avg_scale=scales[0].view("float32", 0, (3,)),
+                       exp_avg_sq_scale=scales[1].view("float32", 0, (3,)), step=1, **HP)
+    assert torch.equal(torch.from_dlpack(views["exp_avg"]), state.exp_avg)
+    assert torch.equal(torch.from_dlpack(views["exp_avg_sq"]), state.exp_avg_sq)
+    assert torch.equal(torch.from_dlpack(views["master"]), state.master)

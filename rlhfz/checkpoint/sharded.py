@@ -22,7 +22,7 @@ import shutil
 import torch
 
 from ..generation import refuse_while_gathered, unwrap_model
-from ..engine import shard_owner
+from ..engine import region_dtype, region_numel, region_unit, shard_owner, state_regions
 from ..progress import progress
 from ..sharding import mark_filled
 from ..state_dict_hooks import gathered_values
@@ -33,8 +33,6 @@ from .generations import commit_generation, discard_generation
 from .model_only import hf_config, load_model, save_model, whole_model
 from .validation import (FORMAT, INDEX, CheckpointError, all_ok, check_entries, check_groups,
                          check_match, file_name, open_files, read_index, verify)
-
-_STATE = ("master", "exp_avg", "exp_avg_sq")
 
 
 # ---- what a checkpoint describes -------------------------------------------------------
@@ -111,7 +109,8 @@ def _describe(model, optimizer) -> dict:
             "params": [positions[id(p)] for p in bucket.params],
             "offsets": [s.offset for s in slots], "numels": [s.numel for s in slots],
             "padded_numel": bucket.layout.padded_numel, "shard_numel": bucket.layout.shard_numel,
-            "master": bucket.has_master, "registered": list(bucket.registered)})
+            "master": bucket.has_master, "registered": list(bucket.registered),
+            "state_dtype": bucket.state_dtype})
     groups = []
     for group in packed_groups(optimizer.param_groups):
         groups.append({k: (v if k == "params" else _jsonable(k, v)) for k, v in group.items()})
@@ -134,12 +133,11 @@ def _rank_entries(optimizer, extras):
     for k, bucket in enumerate(optimizer.engine.buckets):
         shard = bucket.layout.shard_numel
         entries.append((f"bucket{k}.param", bucket.dtype, (shard,), (bucket.flat_param_shard,)))
-        for name in _STATE:
+        for name in state_regions(bucket.state_dtype, bucket.has_master):
             device_part, host_part = bucket.state.parts[name]
-            if name == "master" and not bucket.has_master:
-                continue
             parts = (device_part,) + ((host_part,) if host_part is not None else ())
-            entries.append((f"bucket{k}.{name}", torch.float32, (shard,), parts))
+            entries.append((f"bucket{k}.{name}", region_dtype(name, bucket.state_dtype),
+                            (region_numel(name, shard),), parts))
         if optimizer.rank == 0:
             entries.append((f"bucket{k}.steps", torch.float32, (len(bucket.params),),
                             (bucket.steps,)))
@@ -249,9 +247,8 @@ class _Plan:
             lo = bucket.shard.start if bucket.sharded_params else 0
             hi = lo + bucket.flat_param.numel()
             self._plan(bucket, positions, "param", lo, hi)
-            for name in _STATE:
-                if name == "master" and not bucket.has_master:
-                    continue
+            self._check_state_dtypes(bucket, positions)
+            for name in state_regions(bucket.state_dtype, bucket.has_master):
                 self._plan(bucket, positions, name, bucket.shard.start,
                            bucket.shard.start + bucket.layout.shard_numel)
             self.steps.append((bucket, [(i,) + self.source[positions[id(p)]][:2]
@@ -278,22 +275,43 @@ class _Plan:
             runs.append(run)
         return runs
 
+    def _check_state_dtypes(self, bucket, positions) -> None:
+        """Moments are copied in their stored form, which must be this
+        bucket's: a checkpoint of another state_dtype goes in through its
+        consolidated (fp32) form instead."""
+        saved = self.index["buckets"]
+        for p in bucket.params:
+            k = self.source[positions[id(p)]][0]
+            kept = saved[k].get("state_dtype", "fp32")
+            if kept != bucket.state_dtype:
+                raise CheckpointError(
+                    f"the checkpoint keeps a param's moments as state_dtype={kept!r}, but this "
+                    f"optimizer keeps them as {bucket.state_dtype!r}: build it with "
+                    f"state_dtype={kept!r}, or load the state through state_dict() / "
+                    f"save_consolidated, which convert")
+
     def _plan(self, bucket, positions, name, lo, hi):
         saved = self.index["buckets"]
-        itemsize = 4 if name != "param" else bucket.itemsize
-        # Where this rank keeps the elements: (first element, tensor) pieces,
+        # entries (blocks, for scales) and their bytes in this region
+        unit = 1 if name == "param" else region_unit(name)
+        itemsize = (bucket.itemsize if name == "param" else
+                    region_dtype(name, bucket.state_dtype).itemsize)
+        # Where this rank keeps the elements: (first entry, tensor) pieces,
         # the state split between its device and host parts.
         if name == "param":
             parts = [(lo, bucket.flat_param)]
         else:
             device_part, host_part = bucket.state.parts[name]
-            parts = [(bucket.shard.start, device_part)]
+            parts = [(bucket.shard.start // unit, device_part)]
             if host_part is not None:
-                parts.append((bucket.shard.start + bucket.shard.split, host_part))
+                parts.append(((bucket.shard.start + bucket.shard.split) // unit, host_part))
         for target, k, source, count, _ in self._runs(bucket, positions, lo, hi):
             if name == "master" and not saved[k]["master"]:
                 raise CheckpointError("a 16-bit param has no saved master weights")
-            shard = saved[k]["shard_numel"]
+            # runs start on a param or shard, hence on a block: the blocks they cover
+            end = -(-(target + count) // unit)
+            target, source, count = target // unit, source // unit, end - target // unit
+            shard = saved[k]["shard_numel"] // unit
             while count > 0:
                 rank, local = shard_owner(source, shard)
                 start, part = next((s, t) for s, t in reversed(parts) if target >= s)

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ..engine import plan_bucket
+from ..engine import STATE_DTYPES, layout_block, plan_bucket, region_dtype, region_numel
 from ..optim_options import check_group
 from ..progress import progress
 from .format import TensorFile
@@ -155,8 +155,12 @@ def check_index(path, index) -> None:
         # The CRC catches damage, not an edit that recomputes it: offsets edited
         # into another layout would load bytes from the wrong places. rlhfz
         # lays out a bucket one way.
+        state_dtype = b.get("state_dtype", "fp32")
+        if state_dtype not in STATE_DTYPES:
+            _fail(path, f"{INDEX}: bucket {k} has an unknown state_dtype {state_dtype!r}")
         layout = plan_bucket([index["params"][pos]["shape"] for pos in b["params"]],
-                             _DTYPES[b["dtype"]].itemsize, world_size)
+                             _DTYPES[b["dtype"]].itemsize, world_size,
+                             block=layout_block(state_dtype))
         if [s.offset for s in layout.slots] != b["offsets"] \
                 or layout.padded_numel != b["padded_numel"]:
             _fail(path, f"{INDEX}: bucket {k} is not laid out as rlhfz lays out its params")
@@ -251,7 +255,8 @@ def check_entries(path, index, files, needed) -> None:
             elif kind == "param":
                 tf.entry(name, _DTYPES[b["dtype"]], b["shard_numel"])
             else:
-                tf.entry(name, torch.float32, b["shard_numel"])
+                tf.entry(name, region_dtype(kind, b.get("state_dtype", "fp32")),
+                         region_numel(kind, b["shard_numel"]))
 
 
 def verify(path, index, files, needed) -> None:

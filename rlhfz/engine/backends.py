@@ -51,8 +51,13 @@ class HostBackend:
         """Transient memory (a gather's, say)."""
         return torch.empty(numel, dtype=dtype)
 
-    def adamw_step(self, views, step: int, hparams: dict) -> None:
-        _C.adamw_step(*views, step=step, **hparams)
+    def adamw_step(self, views, lowp: dict | None, step: int, hparams: dict) -> None:
+        """One step over a part's views; lowp: the low-precision step's
+        further keywords (Bucket.kernel_views), None for fp32 moments."""
+        if lowp is None:
+            _C.adamw_step(*views, step=step, **hparams)
+        else:
+            _C.adamw_step_lowp(*views, step=step, **lowp, **hparams)
 
     def sumsq(self, views) -> float:
         """Sum of squares over every view, in double. Last view first (and
@@ -163,7 +168,9 @@ class CudaBackend:
     def buffer(self, nbytes: int, zero: bool = True):
         return _C.Buffer(nbytes, tier="device", device=self.index, zero=zero)
 
-    def adamw_step(self, views, step: int, hparams: dict) -> None:
+    def adamw_step(self, views, lowp: dict | None, step: int, hparams: dict) -> None:
+        if lowp is not None:
+            raise NotImplementedError("low-precision moments on a CUDA device")
         _C.cuda_adamw_step(*views, step=step, stream=self.stream(), **hparams)
 
     def sumsq(self, views) -> float:

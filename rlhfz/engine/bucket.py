@@ -13,9 +13,10 @@ import weakref
 
 import torch
 
+from . import moments
 from .backends import DTYPE_NAMES, HostBackend, torch_view
 from .layout import BucketLayout, ShardLayout, plan_bucket
-from .state import ShardState
+from .state import SCALES, ShardState
 from .storage import REGIONS, FlatStorage
 
 
@@ -23,16 +24,21 @@ class Bucket:
     def __init__(self, params: list[torch.Tensor], group_index: int, dtype: torch.dtype,
                  rank: int = 0, world_size: int = 1, full_grads: bool = True,
                  reduce_dtype: torch.dtype | None = None, backend=None,
-                 host_ratio: float = 0.0, host_alloc=None, sharded_params: bool = False):
+                 host_ratio: float = 0.0, host_alloc=None, sharded_params: bool = False,
+                 state_dtype: str = "fp32"):
         self.params = params
         self.group_index = group_index
         self.index = 0                       # place among the engine's buckets
         self.dtype = dtype
         self.dtype_name = DTYPE_NAMES[dtype]
         self.itemsize = torch.empty((), dtype=dtype).element_size()
+        # how the moments are kept (moments.py); int8 blocks never straddle
+        # a param, a shard or the offload split
+        self.state_dtype = state_dtype
+        block = moments.layout_block(state_dtype)
         self.layout: BucketLayout = plan_bucket([tuple(p.shape) for p in params], self.itemsize,
-                                                world_size)
-        self.shard = ShardLayout.of(self.layout, rank, host_ratio)
+                                                world_size, block=block)
+        self.shard = ShardLayout.of(self.layout, rank, host_ratio, block)
         self.world_size = world_size
         self.backend = backend or HostBackend()
         # Params and grads are whole; master, moments and the reduced grad
@@ -52,6 +58,10 @@ class Bucket:
         n, shard = self.layout.padded_numel, self.shard.numel
         split, host = self.shard.split, self.shard.host_numel
         f32 = "float32"
+        stored = {name: DTYPE_NAMES.get(dtype) or str(dtype).removeprefix("torch.")
+                  for name, dtype in moments.STORED[state_dtype].items()}
+        blocks = -(-split // moments.QBLOCK), -(-host // moments.QBLOCK)
+        int8 = state_dtype == "int8"
         sizes = {
             "param": ((shard if sharded_params else n), self.dtype_name),
             "grad": (n, self.dtype_name) if full_grads else None,
@@ -62,16 +72,21 @@ class Bucket:
             # fp32 params, whose own memory is on the backend), a copy of its
             # grads and a staging copy of its new param values
             "master": None if dtype == torch.float32 else (split, f32),
-            "exp_avg": (split, f32), "exp_avg_sq": (split, f32),
+            "exp_avg": (split, stored["exp_avg"]), "exp_avg_sq": (split, stored["exp_avg_sq"]),
+            "exp_avg_scale": (blocks[0], f32) if int8 else None,
+            "exp_avg_sq_scale": (blocks[0], f32) if int8 else None,
             "host_master": (host, f32) if host else None,
-            "host_exp_avg": (host, f32) if host else None,
-            "host_exp_avg_sq": (host, f32) if host else None,
+            "host_exp_avg": (host, stored["exp_avg"]) if host else None,
+            "host_exp_avg_sq": (host, stored["exp_avg_sq"]) if host else None,
+            "host_exp_avg_scale": (blocks[1], f32) if host and int8 else None,
+            "host_exp_avg_sq_scale": (blocks[1], f32) if host and int8 else None,
             "host_grad": (host, reduce_name) if host else None,
             "host_param": (host, self.dtype_name) if host else None,
         }
         self.storage = FlatStorage(sizes, self.backend.buffer,
                                    host_alloc or (lambda nbytes: HostBackend().buffer(nbytes)))
-        self.state = ShardState(self.shard, world_size, dtype != torch.float32, len(params))
+        self.state = ShardState(self.shard, world_size, dtype != torch.float32, len(params),
+                                state_dtype)
         self.storage.hand_out(self._build_views())
         self.reduced_version = None    # flat_grad's version when last reduced (stage 1)
         self.host_param_fence = None   # see fence_host_param
@@ -99,6 +114,8 @@ class Bucket:
         self.param_shard_kview = storage.view("param", self.param_base, shard)
         self.exp_avg_kview = storage.view("exp_avg")
         self.exp_avg_sq_kview = storage.view("exp_avg_sq")
+        self.scale_kviews = {name: storage.view(name) for name in SCALES.values()
+                             if storage.buffers[name] is not None}
         # Torch-facing flat tensors, and per-param views of them. Slices of one
         # flat tensor share its version counter, which tells whether any grad
         # in the bucket was modified in place since a check.
@@ -112,11 +129,14 @@ class Bucket:
         flat["master"] = torch_view(self.master_kview)
         flat["exp_avg"] = torch_view(self.exp_avg_kview)
         flat["exp_avg_sq"] = torch_view(self.exp_avg_sq_kview)
+        for name in SCALES.values():
+            flat[name] = (torch_view(self.scale_kviews[name]) if name in self.scale_kviews
+                          else None)
         views = {f"flat_{name}": t for name, t in flat.items()}
         views["param_views"] = None if self.sharded_params else self._views(flat["param"])
         views["grad_views"] = self._views(flat["grad"]) if self.full_grads else None
         state = self.state.build({name: (flat[name], flat[f"host_{name}"])
-                                  for name in ("master", "exp_avg", "exp_avg_sq")})
+                                  for name in self.state.names})
         views.update({f"{name}_views": v for name, v in state.items()})
         self._adopt(views)
         return views
@@ -124,10 +144,9 @@ class Bucket:
     def _adopt(self, views: dict[str, object]) -> None:
         for name, value in views.items():
             setattr(self, name, value)
-        self.state.adopt({name: views[f"{name}_views"]
-                          for name in ("master", "exp_avg", "exp_avg_sq")})
+        self.state.adopt({name: views[f"{name}_views"] for name in self.state.names})
         self.state.parts = {name: (views[f"flat_{name}"], views[f"flat_host_{name}"])
-                            for name in ("master", "exp_avg", "exp_avg_sq")}
+                            for name in self.state.names}
 
     def rebind(self) -> None:
         """After buffers were replaced: every tensor handed out before (param
@@ -418,26 +437,42 @@ class Bucket:
     # ---- kernel views of shard ranges -----------------------------------------------
 
     def kernel_views(self, lo: int, hi: int):
-        """(master, exp_avg, exp_avg_sq, grad, param_out) over backend-part
-        shard elements [lo, hi)."""
+        """((master, exp_avg, exp_avg_sq, grad, param_out), lowp) over
+        backend-part shard elements [lo, hi); lowp: the low-precision step's
+        further keywords, or None for fp32 moments."""
         if lo == 0 and hi == self.shard.numel:      # the whole shard, on the backend
             param_out = self.param_shard_kview if self.has_master else None
-            return (self.master_kview, self.exp_avg_kview, self.exp_avg_sq_kview,
-                    self.grad_shard_kview, param_out)
+            return ((self.master_kview, self.exp_avg_kview, self.exp_avg_sq_kview,
+                     self.grad_shard_kview, param_out), self._lowp("", lo, hi, lo))
         n = hi - lo
         param_out = (self.storage.view("param", self.param_base + lo, n) if self.has_master
                      else None)
-        return (self._master_view(lo, n), self.storage.view("exp_avg", lo, n),
-                self.storage.view("exp_avg_sq", lo, n), self.grad_shard_kview_range(lo, hi),
-                param_out)
+        return ((self._master_view(lo, n), self.storage.view("exp_avg", lo, n),
+                 self.storage.view("exp_avg_sq", lo, n), self.grad_shard_kview_range(lo, hi),
+                 param_out), self._lowp("", lo, hi, lo))
 
     def host_kernel_views(self, lo: int, hi: int):
-        """(master, exp_avg, exp_avg_sq, grad, param_out) of the host part over
-        its elements [lo, hi)."""
+        """As kernel_views, for the host part's elements [lo, hi)."""
         n, storage = hi - lo, self.storage
-        return (storage.view("host_master", lo, n), storage.view("host_exp_avg", lo, n),
-                storage.view("host_exp_avg_sq", lo, n), storage.view("host_grad", lo, n),
-                storage.view("host_param", lo, n))
+        return ((storage.view("host_master", lo, n), storage.view("host_exp_avg", lo, n),
+                 storage.view("host_exp_avg_sq", lo, n), storage.view("host_grad", lo, n),
+                 storage.view("host_param", lo, n)),
+                self._lowp("host_", lo, hi, self.shard.split + lo))
+
+    def _lowp(self, prefix: str, lo: int, hi: int, shard_lo: int) -> dict | None:
+        """The low-precision step's keywords for a part's elements [lo, hi)
+        (shard_lo: where they start in the shard). Stochastic rounding counts
+        elements from the bucket's start, so any world size draws the same."""
+        if self.state_dtype == "fp32":
+            return None
+        extra = {"rounding": moments.ROUNDING[self.state_dtype],
+                 "seed": (self.group_index * 65537 + self.index) & 0xFFFFFFFF,
+                 "index_base": self.shard.start + shard_lo}
+        if self.state_dtype == "int8":
+            a, b = self.shard.blocks(lo, hi, moments.QBLOCK)
+            for name in SCALES.values():
+                extra[name] = self.storage.view(prefix + name, a, b - a)
+        return extra
 
     def grad_shard_kview_range(self, lo: int, hi: int):
         """The (reduced) grads of shard elements [lo, hi)."""

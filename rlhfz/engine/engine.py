@@ -46,6 +46,16 @@ def _segment_ranges(present: list[bool], steps: list[float]) -> list[tuple[int, 
     return runs
 
 
+def _by_state_dtype(params: list, state_dtype: str, min_8bit_size: int):
+    """[(state dtype, params)]: int8 moments only for params of at least
+    min_8bit_size elements (smaller ones gain little and quantize worst)."""
+    if state_dtype != "int8":
+        return [(state_dtype, params)]
+    small = [p for p in params if p.numel() < min_8bit_size]
+    large = [p for p in params if p.numel() >= min_8bit_size]
+    return [(kept, members) for kept, members in (("fp32", small), ("int8", large)) if members]
+
+
 class ShardEngine:
     """Every bucket of one optimizer, on one backend, over one communicator
     (None in a single process)."""
@@ -84,24 +94,29 @@ class ShardEngine:
 
     # ---- building buckets ---------------------------------------------------------
 
-    def make_buckets(self, group_index: int, parts) -> list[tuple[object, list[Bucket]]]:
+    def make_buckets(self, group_index: int, parts, state_dtype: str = "fp32",
+                     min_8bit_size: int = 0) -> list[tuple[object, list[Bucket]]]:
         """Buckets for one param group, allocated but not attached: if memory
         runs out, nothing has changed. parts: [(unit or None, params,
         sharded)]; returns [(unit, its buckets)]. One bucket per dtype, or
         under stage 2 runs of about stage2_bucket_bytes; a sharded unit's
-        params of one dtype stay in one bucket, gathered together."""
+        params of one dtype stay in one bucket, gathered together. With
+        state_dtype "int8", params under min_8bit_size elements keep fp32
+        moments, in buckets of their own."""
         made = []
         for unit, members_all, sharded in parts:
             unit_buckets = []
             for dtype in DTYPE_NAMES:
-                members = [p for p in members_all if p.dtype == dtype]
-                chunks = [members] if sharded and members else self._chunks(members)
-                for chunk in chunks:
-                    unit_buckets.append(Bucket(
-                        chunk, group_index, dtype, self.rank, self.world_size,
-                        full_grads=self.reducer is None, reduce_dtype=self.reduce_dtype,
-                        backend=self.backend, host_ratio=self.host_ratio,
-                        host_alloc=self.host_alloc, sharded_params=sharded))
+                of_dtype = [p for p in members_all if p.dtype == dtype]
+                for kept, members in _by_state_dtype(of_dtype, state_dtype, min_8bit_size):
+                    chunks = [members] if sharded and members else self._chunks(members)
+                    for chunk in chunks:
+                        unit_buckets.append(Bucket(
+                            chunk, group_index, dtype, self.rank, self.world_size,
+                            full_grads=self.reducer is None, reduce_dtype=self.reduce_dtype,
+                            backend=self.backend, host_ratio=self.host_ratio,
+                            host_alloc=self.host_alloc, sharded_params=sharded,
+                            state_dtype=kept))
             made.append((unit, unit_buckets))
         return made
 
@@ -355,10 +370,10 @@ class ShardEngine:
                 step = int(steps[start]) + 1
                 device, host = bucket.shard.sides(lo, hi)
                 if device is not None:
-                    self.backend.adamw_step(bucket.kernel_views(*device), step, hp)
+                    self.backend.adamw_step(*bucket.kernel_views(*device), step, hp)
                 if host is not None:
                     bucket.wait_host_param()     # its last copy to the device has read it
-                    self._host.adamw_step(bucket.host_kernel_views(*host), step, hp)
+                    self._host.adamw_step(*bucket.host_kernel_views(*host), step, hp)
                     k = bucket.shard.split
                     bucket.flat_param_shard[host[0] + k:host[1] + k].copy_(
                         bucket.flat_host_param[host[0]:host[1]], non_blocking=True)

@@ -10,6 +10,7 @@ on the host. Every piece of that arithmetic lives in this module.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -92,8 +93,11 @@ def _round_up(value: int, multiple: int) -> int:
 
 
 def plan_bucket(shapes: Sequence[Sequence[int]], itemsize: int, world_size: int = 1,
-                align_bytes: int = ALIGN_BYTES) -> BucketLayout:
-    """Lay out tensors of the given shapes in one flat bucket."""
+                align_bytes: int = ALIGN_BYTES, block: int = 1) -> BucketLayout:
+    """Lay out tensors of the given shapes in one flat bucket. block > 1
+    (int8 moments: elements per quantization block) starts every tensor and
+    every shard on a block boundary, so no block is shared by two params or
+    two ranks, and a param's blocks are the same at any world size."""
     if itemsize not in (2, 4):
         raise ValueError(f"itemsize must be 2 or 4 bytes, not {itemsize}")
     if world_size < 1:
@@ -102,7 +106,7 @@ def plan_bucket(shapes: Sequence[Sequence[int]], itemsize: int, world_size: int 
         raise ValueError(f"align_bytes {align_bytes} is not a multiple of itemsize {itemsize}")
     # fp32 companions (master, moments) share the element offsets; an offset
     # aligned for the 16-bit array is then aligned for the fp32 ones too.
-    align = align_bytes // itemsize
+    align = math.lcm(align_bytes // itemsize, block)
     slots = []
     offset = 0
     for shape in shapes:
@@ -165,10 +169,13 @@ class ShardLayout:
         object.__setattr__(self, "local", tuple(ranges))
 
     @classmethod
-    def of(cls, layout: BucketLayout, rank: int, host_ratio: float = 0.0) -> "ShardLayout":
-        """host_ratio: the fraction of the shard's elements on the host."""
+    def of(cls, layout: BucketLayout, rank: int, host_ratio: float = 0.0,
+           block: int = 1) -> "ShardLayout":
+        """host_ratio: the fraction of the shard's elements on the host,
+        rounded to whole blocks (a block never straddles the split)."""
         shard = layout.shard_numel
-        return cls(layout, rank, shard - int(round(host_ratio * shard)))
+        host = int(round(host_ratio * shard / block)) * block
+        return cls(layout, rank, shard - min(host, shard))
 
     @property
     def numel(self) -> int:
@@ -196,6 +203,12 @@ class ShardLayout:
         device = (lo, min(hi, k)) if lo < min(hi, k) else None
         host = (max(lo, k) - k, hi - k) if max(lo, k) < hi else None
         return device, host
+
+    @staticmethod
+    def blocks(lo: int, hi: int, block: int) -> tuple[int, int]:
+        """[lo, hi) in elements -> the blocks that cover it (lo on a block
+        boundary, as every param and part starts)."""
+        return lo // block, -(-hi // block)
 
     def element_range(self, start: int, stop: int) -> tuple[int, int] | None:
         """Shard elements spanned by params [start, stop): the whole shard

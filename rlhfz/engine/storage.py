@@ -28,12 +28,18 @@ REGIONS = {
     "master": Region("optimizer", "master", False),
     "exp_avg": Region("optimizer", "exp_avg", False),
     "exp_avg_sq": Region("optimizer", "exp_avg_sq", False),
+    # int8 moments: one fp32 scale per block, counted with its moment
+    "exp_avg_scale": Region("optimizer", "exp_avg", False),
+    "exp_avg_sq_scale": Region("optimizer", "exp_avg_sq", False),
     "host_param": Region("params", "params", True),
     "host_grad": Region("grads", "grads", True),
     "host_master": Region("optimizer", "master", True),
     "host_exp_avg": Region("optimizer", "exp_avg", True),
     "host_exp_avg_sq": Region("optimizer", "exp_avg_sq", True),
+    "host_exp_avg_scale": Region("optimizer", "exp_avg", True),
+    "host_exp_avg_sq_scale": Region("optimizer", "exp_avg_sq", True),
 }
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "uint8": 1}
 
 
 class FlatStorage:
@@ -52,8 +58,8 @@ class FlatStorage:
                 self.buffers[name] = None
                 continue
             numel, dtype = spec
-            itemsize = 2 if dtype in ("bfloat16", "float16") else 4
-            self.buffers[name] = (host_alloc if REGIONS[name].host else alloc)(numel * itemsize)
+            nbytes = numel * ITEMSIZE[dtype]
+            self.buffers[name] = (host_alloc if REGIONS[name].host else alloc)(nbytes)
         self.handed: dict[str, object] = {}
 
     def view(self, name: str, lo: int = 0, numel: int | None = None):
