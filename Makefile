@@ -60,10 +60,11 @@ bench: install
 	$(PYTHON) -m pytest -q benchmarks --benchmark-columns=min,mean,stddev,rounds \
 		--benchmark-group-by=group
 
-# The optional benchmark peer: DeepSpeed on its CPU accelerator (its CPU Adam
-# builds on first use). Without it, its comparisons skip and say why.
+# The optional benchmark peers: DeepSpeed on its CPU accelerator (its CPU Adam
+# builds on first use), torchao's and bitsandbytes' 8-bit AdamW, and matplotlib
+# for the convergence plot. Without them, what needs them skips and says why.
 #   make bench-deps bench
-BENCH_DEPS := deepspeed==0.19.8
+BENCH_DEPS := deepspeed==0.19.8 torchao bitsandbytes matplotlib
 bench-deps: deps
 	$(PIP) install --quiet --disable-pip-version-check $(BENCH_DEPS) -c constraints.txt
 

@@ -21,6 +21,8 @@ import pytest
 import torch
 
 import rlhfz
+from cpu_timing import fresh_grads as _fresh_grads
+from cpu_timing import interleaved_best as _interleaved_best
 from peers import deepspeed_cpu_adam_or_skip
 from rlhfz import _C
 
@@ -67,15 +69,6 @@ def _bound(benchmark, size, group):
 @pytest.mark.parametrize("size", SIZES)
 def test_fp32_bound(benchmark, size):
     _bound(benchmark, size, f"adamw-cpu-fp32-{size}")
-
-
-def _fresh_grads(opt):
-    """Mark the grads as written since the last step, as a backward would
-    (bumping their version counters, without touching memory), so that no
-    step can reuse an earlier finiteness check."""
-    for group in opt.param_groups:
-        for p in group["params"]:
-            torch.autograd.graph.increment_version(p.grad)
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -194,20 +187,6 @@ def test_clip_step(benchmark, size, impl):
 # pytest-benchmark shows) is rlhfz's default step; the full comparison is in
 # extra_info.
 INTERLEAVED_ROUNDS = {"10M": 40, "100M": 12}
-
-
-def _interleaved_best(fns: dict, rounds: int) -> dict:
-    import time
-    names = list(fns)
-    best = {name: float("inf") for name in names}
-    for fn in fns.values():
-        fn()
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            start = time.perf_counter()
-            fns[name]()
-            best[name] = min(best[name], time.perf_counter() - start)
-    return best
 
 
 def _comparison_entries(benchmark, n, best, bound_name):
