@@ -209,8 +209,8 @@ static void launch_bf16(const rlhfz_adamw_lowp_shard *shard, const rlhfz_adamw_h
     const bool vector = rlhfz_aligned16(shard->master) && rlhfz_aligned16(shard->exp_avg) &&
                         rlhfz_aligned16(shard->exp_avg_sq) && rlhfz_aligned16(shard->grad) &&
                         rlhfz_aligned16(shard->param_out);
-    auto kernel = rlhfz_adamw_lowp_bf16_kernel<G, OUT>;
-    unsigned int grid = rlhfz_elementwise_grid(kernel, shard->n, vector);
+    unsigned int grid = rlhfz_elementwise_grid(rlhfz_adamw_lowp_bf16_kernel<G, OUT>, shard->n,
+                                               vector);
     RLHFZ_LAUNCH(grid, RLHFZ_BLOCK, 0, stream, rlhfz_adamw_lowp_bf16_kernel<G, OUT>)(
         shard->master, static_cast<unsigned short *>(shard->exp_avg),
         static_cast<unsigned short *>(shard->exp_avg_sq), shard->grad, shard->param_out,

@@ -18,10 +18,12 @@
 
 /* ---- fp32 operations, each rounded once ----------------------------------- */
 
-/* C builds round each operation as written (ISO C mode contracts nothing).
- * nvcc fuses a multiply into the add that follows it, which rounds once
- * where the CPU rounds twice, so on the device these are the rounded
- * intrinsics, and a kernel gets the CPU's bits. */
+/* On the host these are the plain operators: gcc in ISO C mode contracts
+ * nothing, and one operation per function leaves a compiler that contracts
+ * within an expression nothing to fuse. nvcc fuses a multiply into the add
+ * that follows it across inlined calls, rounding once where the CPU rounds
+ * twice, so on the device these are the rounded intrinsics, and a kernel
+ * gets the CPU's bits. */
 static inline RLHFZ_HOST_DEVICE float rlhfz_add_rn(float a, float b)
 {
 #ifdef __CUDA_ARCH__

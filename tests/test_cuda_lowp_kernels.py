@@ -350,6 +350,8 @@ def test_host_arrays_and_bad_scalars_are_refused_before_any_device_work():
                              (dict(step=0), ValueError, "step must be >= 1"),
                              (dict(lr=float("nan")), ValueError, "lr"),
                              (dict(stream="default"), TypeError, "stream must be"),
+                             (dict(simd="reference"), TypeError, "unexpected keyword"),
+                             (dict(seed=1.5), TypeError, "seed must be an integer"),
                              ({}, BufferError, "needs CUDA device memory")):
         with pytest.raises(error, match=text):
             _C.cuda_adamw_step_lowp(**host, **{"step": 1, **HP, **bad})
