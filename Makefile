@@ -39,8 +39,8 @@ wheel-check: deps
 # with RLHFZ_CUDA=sim into a virtual environment of its own (the production
 # build stays untouched), gcov and Python coverage reported.
 SIM_DEPS := coverage gcovr
-SIM_TESTS ?= tests/test_sim_runtime.py tests/test_cuda_kernels.py tests/test_cuda_buffers.py \
-	tests/test_sim_end_to_end.py \
+SIM_TESTS ?= tests/test_sim_runtime.py tests/test_cuda_kernels.py tests/test_cuda_lowp_kernels.py \
+	tests/test_cuda_buffers.py tests/test_sim_end_to_end.py \
 	tests/test_cuda_ops_args.py tests/test_cuda_optim.py tests/test_offload_cuda.py \
 	tests/test_cuda_collectives.py tests/test_nccl.py tests/test_nccl_sim.py \
 	tests/test_sim_failures.py tests/test_nccl_failures.py

@@ -79,39 +79,6 @@ error:
     return NULL;
 }
 
-static int rounding_from_object(PyObject *obj, rlhfz_rounding *rounding)
-{
-    if (obj == NULL || (PyUnicode_Check(obj) &&
-                        PyUnicode_CompareWithASCIIString(obj, "nearest") == 0)) {
-        *rounding = RLHFZ_ROUND_NEAREST;
-        return 0;
-    }
-    if (PyUnicode_Check(obj) && PyUnicode_CompareWithASCIIString(obj, "stochastic") == 0) {
-        *rounding = RLHFZ_ROUND_STOCHASTIC;
-        return 0;
-    }
-    PyErr_Format(PyExc_ValueError, "rounding must be 'nearest' or 'stochastic', not %R", obj);
-    return -1;
-}
-
-/* seed and index_base of stochastic rounding: plain non-negative ints */
-static int rounding_counter_from_args(PyObject *seed_obj, PyObject *index_obj, int64_t step,
-                                      rlhfz_adamw_lowp_shard *shard)
-{
-    int64_t seed = 0, index_base = 0;
-    if ((seed_obj && rlhfz_arg_int64(seed_obj, "seed", &seed) < 0) ||
-        (index_obj && rlhfz_arg_int64(index_obj, "index_base", &index_base) < 0))
-        return -1;
-    if (seed < 0 || seed > UINT32_MAX || index_base < 0) {
-        PyErr_SetString(PyExc_ValueError,
-                        "seed must be in [0, 2**32) and index_base must be >= 0");
-        return -1;
-    }
-    shard->rounding_key = rlhfz_rounding_key((uint32_t)seed, (uint64_t)step);
-    shard->index_base = (uint64_t)index_base;
-    return 0;
-}
-
 static PyObject *adamw_step_lowp(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
                                  PyObject *kwnames)
 {
@@ -127,23 +94,18 @@ static PyObject *adamw_step_lowp(PyObject *module, PyObject *const *args, Py_ssi
     rlhfz_adamw_hparams hp;
     if (rlhfz_adamw_hparams_from_args("adamw_step_lowp", slots + LR, &hp) < 0)
         return NULL;
-    int64_t step;
-    rlhfz_rounding rounding;
+    rlhfz_adamw_lowp_shard shard;
     rlhfz_simd_level level;
     int reference;
-    if (rlhfz_arg_int64(slots[STEP], "step", &step) < 0 ||
-        rounding_from_object(slots[ROUNDING], &rounding) < 0 ||
+    if (rlhfz_lowp_rounding_from_args(slots + ROUNDING, slots[STEP], &shard) < 0 ||
         simd_from_object(slots[SIMD], &level, &reference) < 0)
         return NULL;
 
     rlhfz_borrowed b = {.count = 0};
-    rlhfz_adamw_lowp_shard shard;
     int device;
     if (rlhfz_adamw_lowp_shard_from_args(module, &b, slots + MASTER, RLHFZ_PLACE_HOST, NULL,
-                                         &shard, &device) < 0 ||
-        rounding_counter_from_args(slots[SEED], slots[INDEX_BASE], step, &shard) < 0)
+                                         &shard, &device) < 0)
         goto error;
-    shard.rounding = rounding;
     rlhfz_status status;
     Py_BEGIN_ALLOW_THREADS
     status = reference ? rlhfz_adamw_lowp_reference(&shard, &hp)

@@ -120,6 +120,12 @@ typedef struct {
 } adamw_launch_args;
 
 typedef struct {
+    rlhfz_adamw_lowp_shard shard;
+    rlhfz_adamw_hparams hp;
+    const void *skip_if;
+} adamw_lowp_launch_args;
+
+typedef struct {
     void *x;
     const void *src;
     rlhfz_dtype dtype, src_dtype;
@@ -135,6 +141,12 @@ static rlhfz_status launch_adamw(const void *p, void *stream)
 {
     const adamw_launch_args *a = p;
     return rlhfz_adamw_cuda(&a->shard, &a->hp, a->device_hparams, a->skip_if, stream);
+}
+
+static rlhfz_status launch_adamw_lowp(const void *p, void *stream)
+{
+    const adamw_lowp_launch_args *a = p;
+    return rlhfz_adamw_lowp_cuda(&a->shard, &a->hp, a->skip_if, stream);
 }
 
 static rlhfz_status launch_sumsq(const void *p, void *stream)
@@ -205,6 +217,40 @@ static PyObject *cuda_adamw_step(PyObject *module, PyObject *const *args, Py_ssi
     a.skip_if = skip_if;
     a.device_hparams = device_hparams;
     return launch_on(module, "cuda_adamw_step", device, LAUNCHER(launch_adamw), &a, stream, &b);
+}
+
+static PyObject *cuda_adamw_step_lowp(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
+                                      PyObject *kwnames)
+{
+    static const char *const names[] = {
+        "master", "exp_avg", "exp_avg_sq", "grad", "param_out", "exp_avg_scale",
+        "exp_avg_sq_scale", "lr", "beta1", "beta2", "eps", "weight_decay", "step", "maximize",
+        "grad_scale", "rounding", "seed", "index_base", "stream", "skip_if", NULL};
+    enum { MASTER, EXP_AVG, EXP_AVG_SQ, GRAD, PARAM_OUT, SCALE, SQ_SCALE, LR, BETA1, BETA2,
+           EPS, WD, STEP, MAXIMIZE, GRAD_SCALE, ROUNDING, SEED, INDEX_BASE, STREAM, SKIP_IF,
+           NSLOTS };
+    PyObject *slots[NSLOTS];
+    if (rlhfz_parse_args("cuda_adamw_step_lowp", args, nargs, kwnames, names, 7, 4, slots) < 0)
+        return NULL;
+    adamw_lowp_launch_args a = {.skip_if = NULL};
+    void *stream;
+    if (rlhfz_adamw_hparams_from_args("cuda_adamw_step_lowp", slots + LR, &a.hp) < 0 ||
+        rlhfz_lowp_rounding_from_args(slots + ROUNDING, slots[STEP], &a.shard) < 0 ||
+        rlhfz_arg_stream(slots[STREAM], &stream) < 0)
+        return NULL;
+    rlhfz_borrowed b = {.count = 0};
+    int device;
+    void *skip_if = NULL;
+    if (rlhfz_adamw_lowp_shard_from_args(module, &b, slots + MASTER, RLHFZ_PLACE_CUDA, stream,
+                                         &a.shard, &device) < 0 ||
+        (slots[SKIP_IF] != NULL && slots[SKIP_IF] != Py_None &&
+         device_scalar(module, slots[SKIP_IF], "skip_if", sizeof(int), device, &b, &skip_if) < 0)) {
+        rlhfz_borrowed_release(&b);
+        return NULL;
+    }
+    a.skip_if = skip_if;
+    return launch_on(module, "cuda_adamw_step_lowp", device, LAUNCHER(launch_adamw_lowp), &a,
+                     stream, &b);
 }
 
 static PyObject *cuda_sumsq_workspace_bytes(PyObject *module, PyObject *unused)
@@ -493,6 +539,19 @@ PyMethodDef rlhfz_cuda_ops_methods[] = {
      "stream). skip_if: a device Buffer whose first int, if nonzero when the kernel runs,\n"
      "skips the step. device_hparams: a device Buffer holding adamw_hparams_bytes(...),\n"
      "read when the kernel runs instead of the keyword values (for CUDA graph capture)."},
+    {"cuda_adamw_step_lowp", (PyCFunction)(void (*)(void))cuda_adamw_step_lowp,
+     METH_FASTCALL | METH_KEYWORDS,
+     "cuda_adamw_step_lowp(master, exp_avg, exp_avg_sq, grad, param_out=None,\n"
+     "                     exp_avg_scale=None, exp_avg_sq_scale=None, *, lr, beta1, beta2,\n"
+     "                     eps, weight_decay, step, maximize=False, grad_scale=1.0,\n"
+     "                     rounding='nearest', seed=0, index_base=0, stream=None,\n"
+     "                     skip_if=None)\n\n"
+     "adamw_step_lowp on CUDA device arrays, queued on stream (None: the legacy default\n"
+     "stream), with the bits of adamw_step_lowp(..., simd='reference'): bfloat16 moments,\n"
+     "or int8 / uint8 codes with one float32 scale per block of 256. skip_if: a device\n"
+     "Buffer whose first int, if nonzero when the kernel runs, skips the step. There is no\n"
+     "device_hparams: the hyperparameters and the step (which keys stochastic rounding)\n"
+     "are the keyword values."},
     {"cuda_sumsq", (PyCFunction)(void (*)(void))cuda_sumsq, METH_FASTCALL | METH_KEYWORDS,
      "cuda_sumsq(x, out, workspace, *, accumulate=False, stream=None)\n\n"
      "The sum of squares of x, as a double in the first 8 bytes of the device Buffer out\n"

@@ -186,14 +186,17 @@ int rlhfz_adamw_lowp_shard_from_args(PyObject *module, rlhfz_borrowed *b, PyObje
     if (rlhfz_check_all_disjoint(listed, present, count) < 0 ||
         (place == RLHFZ_PLACE_CUDA && rlhfz_check_same_device(listed, present, count) < 0))
         return -1;
+    /* the rounding is rlhfz_lowp_rounding_from_args's, already there */
     *shard = (rlhfz_adamw_lowp_shard){
+        .rounding = shard->rounding,
+        .rounding_key = shard->rounding_key,
+        .index_base = shard->index_base,
         .master = master->data,
         .exp_avg = all[EXP_AVG]->data,
         .exp_avg_sq = all[EXP_AVG_SQ]->data,
         .exp_avg_scale = all[SCALE] ? all[SCALE]->data : NULL,
         .exp_avg_sq_scale = all[SQ_SCALE] ? all[SQ_SCALE]->data : NULL,
         .state_dtype = state_dtype,
-        .rounding = RLHFZ_ROUND_NEAREST,
         .grad = all[GRAD]->data,
         .grad_dtype = all[GRAD]->dtype,
         .param_out = all[PARAM_OUT] ? all[PARAM_OUT]->data : NULL,
@@ -201,6 +204,43 @@ int rlhfz_adamw_lowp_shard_from_args(PyObject *module, rlhfz_borrowed *b, PyObje
         .n = master->numel,
     };
     *device = master->device.device_id;
+    return 0;
+}
+
+static int rounding_from_object(PyObject *obj, rlhfz_rounding *rounding)
+{
+    if (obj == NULL || (PyUnicode_Check(obj) &&
+                        PyUnicode_CompareWithASCIIString(obj, "nearest") == 0)) {
+        *rounding = RLHFZ_ROUND_NEAREST;
+        return 0;
+    }
+    if (PyUnicode_Check(obj) && PyUnicode_CompareWithASCIIString(obj, "stochastic") == 0) {
+        *rounding = RLHFZ_ROUND_STOCHASTIC;
+        return 0;
+    }
+    PyErr_Format(PyExc_ValueError, "rounding must be 'nearest' or 'stochastic', not %R", obj);
+    return -1;
+}
+
+int rlhfz_lowp_rounding_from_args(PyObject *const *slots, PyObject *step_obj,
+                                  rlhfz_adamw_lowp_shard *shard)
+{
+    rlhfz_rounding rounding;
+    /* seed and index_base of stochastic rounding: plain non-negative ints */
+    int64_t step, seed = 0, index_base = 0;
+    if (rlhfz_arg_int64(step_obj, "step", &step) < 0 ||
+        rounding_from_object(slots[0], &rounding) < 0 ||
+        (slots[1] && rlhfz_arg_int64(slots[1], "seed", &seed) < 0) ||
+        (slots[2] && rlhfz_arg_int64(slots[2], "index_base", &index_base) < 0))
+        return -1;
+    if (seed < 0 || seed > UINT32_MAX || index_base < 0) {
+        PyErr_SetString(PyExc_ValueError,
+                        "seed must be in [0, 2**32) and index_base must be >= 0");
+        return -1;
+    }
+    shard->rounding = rounding;
+    shard->rounding_key = rlhfz_rounding_key((uint32_t)seed, (uint64_t)step);
+    shard->index_base = (uint64_t)index_base;
     return 0;
 }
 

@@ -199,10 +199,19 @@ int rlhfz_adamw_shard_from_args(PyObject *module, rlhfz_borrowed *b, PyObject *c
                                 int *device);
 /* The same for bf16 or int8 moments: slots hold master, exp_avg, exp_avg_sq,
  * grad, param_out, exp_avg_scale and exp_avg_sq_scale (the last two for int8
- * only). The moments' dtypes name the state dtype. */
+ * only). The moments' dtypes name the state dtype. The shard's rounding,
+ * rounding_key and index_base are kept as they are: fill them first with
+ * rlhfz_lowp_rounding_from_args. */
 int rlhfz_adamw_lowp_shard_from_args(PyObject *module, rlhfz_borrowed *b, PyObject *const *slots,
                                      rlhfz_place place, void *stream,
                                      rlhfz_adamw_lowp_shard *shard, int *device);
+/* slots: rounding ('nearest', the default, or 'stochastic'), seed and
+ * index_base (ints, default 0; NULL: defaults); step_obj the step, once
+ * rlhfz_adamw_hparams_from_args has checked it (its key seeds stochastic
+ * rounding with the seed). Checks them and fills the shard's rounding,
+ * rounding_key and index_base. */
+int rlhfz_lowp_rounding_from_args(PyObject *const *slots, PyObject *step_obj,
+                                  rlhfz_adamw_lowp_shard *shard);
 /* cuda_inflight.c: DLPack borrows of a queued kernel, kept until the event
  * recorded after its launch is done. */
 rlhfz_inflight *rlhfz_inflight_new(void);

@@ -1,54 +1,19 @@
 /* adamw_cuda.cu: the fused AdamW step on the GPU, one launch per shard.
  *
  * The per-element math is rlhfz_adamw_reference's, operation for operation,
- * written once in rlhfz_adamw_element and used by both the vector body and
- * the scalar tail. Each operation is an explicit round-to-nearest intrinsic:
- * nvcc contracts a * b + c into one FMA by default, which rounds once where
- * the reference (built with -ffp-contract=off) rounds twice. Division and
- * square root are the correctly rounded ones, so finite results match the
- * CPU bit for bit.
+ * written once in rlhfz_adamw_element (cuda_adamw_element.cuh, with why it
+ * spells each operation as a rounded intrinsic) and used by both the vector
+ * body and the scalar tail, so finite results match the CPU bit for bit.
  */
 #include <cuda_runtime.h>
 
+#include "cuda_adamw_element.cuh"
 #include "cuda_check.cuh"
 #include "cuda_elementwise.cuh"
 #include "rlhfz_cuda.h"
 #include "rlhfz_kernels.h"
 
-/* The param_out kind of a kernel with no param_out. */
-#define OUT_NONE (-1)
-
 /* ---- kernels -------------------------------------------------------------- */
-
-/* One element of the step: the grad as read (fp32), and the master weight
- * and both moments, updated in place. */
-__device__ __forceinline__ void rlhfz_adamw_element(const rlhfz_adamw_hparams &hp, float grad,
-                                                    float &param, float &exp_avg,
-                                                    float &exp_avg_sq)
-{
-    float g = __fmul_rn(grad, hp.grad_scale);
-    if (hp.maximize)
-        g = -g;
-
-    /* decoupled weight decay */
-    float p = __fmul_rn(param, hp.decay);
-
-    /* update the first moment: torch's lerp(m, g, 1 - beta1), m + w * (g - m) */
-    float m = exp_avg;
-    m = __fadd_rn(m, __fmul_rn(hp.beta1_weight, __fsub_rn(g, m)));
-
-    /* update the second moment: v * beta2 + ((1 - beta2) * g) * g */
-    float v = __fmul_rn(exp_avg_sq, hp.beta2);
-    v = __fadd_rn(v, __fmul_rn(__fmul_rn(hp.beta2_weight, g), g));
-
-    /* the bias-corrected step: sqrt(v) * (1 / sqrt(1 - beta2^t)) + eps, as the CPU takes it */
-    float denom = __fadd_rn(__fmul_rn(__fsqrt_rn(v), hp.bias_correction2_rsqrt), hp.eps);
-    p = __fsub_rn(p, __fmul_rn(hp.step_size, __fdiv_rn(m, denom)));
-
-    param = p;
-    exp_avg = m;
-    exp_avg_sq = v;
-}
 
 /* Vector steps a thread takes per pass, all loaded before the first is
  * computed, and threads per block. Measured on an H200 (tools/perf/
@@ -60,7 +25,7 @@ __device__ __forceinline__ void rlhfz_adamw_element(const rlhfz_adamw_hparams &h
 #define ADAMW_UNROLL 2
 #define ADAMW_BLOCK 512
 
-/* G: grad dtype; OUT: param_out dtype, or OUT_NONE. vector: every pointer
+/* G: grad dtype; OUT: param_out dtype, or RLHFZ_OUT_NONE. vector: every pointer
  * is 16-byte aligned. Pass k of a thread over the vector part takes steps
  * (u * passes + s) for u < ADAMW_UNROLL, so each load of a warp is
  * contiguous; the last n % (ADAMW_UNROLL * RLHFZ_VEC) elements (or all n
@@ -104,7 +69,7 @@ rlhfz_adamw_kernel(float *master, float *exp_avg, float *exp_avg_sq, const void 
                 rlhfz_store8<RLHFZ_DTYPE_F32>(master, i, p[u]);
                 rlhfz_store8<RLHFZ_DTYPE_F32>(exp_avg, i, m[u]);
                 rlhfz_store8<RLHFZ_DTYPE_F32>(exp_avg_sq, i, v[u]);
-                if constexpr (OUT != OUT_NONE)
+                if constexpr (OUT != RLHFZ_OUT_NONE)
                     rlhfz_store8<OUT>(param_out, i, p[u]);
             }
         }
@@ -118,7 +83,7 @@ rlhfz_adamw_kernel(float *master, float *exp_avg, float *exp_avg_sq, const void 
         master[i] = p;
         exp_avg[i] = m;
         exp_avg_sq[i] = v;
-        if constexpr (OUT != OUT_NONE)
+        if constexpr (OUT != RLHFZ_OUT_NONE)
             rlhfz_store<OUT>(param_out, i, p);
     }
 }
@@ -162,16 +127,10 @@ extern "C" rlhfz_status rlhfz_adamw_cuda(const rlhfz_adamw_shard *shard,
     cudaStream_t s = static_cast<cudaStream_t>(stream);
 
     /* one kernel per (grad dtype, param_out kind), all fixed at compile time */
-    rlhfz_with_dtype(shard->grad_dtype, [&](auto grad) {
-        constexpr int G = decltype(grad)::value;
-        if (!shard->param_out) {
-            launch_adamw<G, OUT_NONE>(shard, host, hp_device, skip_if_nonzero, vector, s);
-            return;
-        }
-        rlhfz_with_dtype(shard->param_dtype, [&](auto out) {
-            launch_adamw<G, decltype(out)::value>(shard, host, hp_device, skip_if_nonzero,
-                                                  vector, s);
-        });
+    rlhfz_with_grad_and_out(shard->grad_dtype, shard->param_out, shard->param_dtype,
+                            [&](auto grad, auto out) {
+        launch_adamw<decltype(grad)::value, decltype(out)::value>(shard, host, hp_device,
+                                                                  skip_if_nonzero, vector, s);
     });
     RLHFZ_CUDA_CHECK_LAUNCH();
     return RLHFZ_OK;

@@ -41,10 +41,6 @@ void rlhfz_adamw_consts_init(rlhfz_adamw_consts *c, const rlhfz_adamw_hparams *h
  * the CPU lacks is RLHFZ_ERR_UNSUPPORTED. */
 rlhfz_status rlhfz_simd_resolve(rlhfz_simd_level asked, rlhfz_simd_level *level);
 
-/* adamw_lowp_cpu.c: the low-precision step's checks, shared likewise. */
-rlhfz_status rlhfz_adamw_lowp_check_args(const rlhfz_adamw_lowp_shard *shard,
-                                         const rlhfz_adamw_hparams *hp);
-
 /* ---- low-precision moments, per level (lowp_chunks_scalar.c,
  * lowp_chunk_bodies.h). The int8 chunks take ranges of whole blocks. ---- */
 void rlhfz_lowp_bf16_chunk_scalar(const rlhfz_adamw_lowp_shard *shard,

@@ -129,6 +129,19 @@ __device__ __forceinline__ void rlhfz_load8(const void *x, size_t i, float v[RLH
     }
 }
 
+/* Eight 16-bit values as they are, into elements i .. i + 7 of x (16-byte
+ * aligned, i a multiple of 8). */
+__device__ __forceinline__ void rlhfz_store8_bits(void *x, size_t i,
+                                                  const unsigned short h[RLHFZ_VEC])
+{
+    unsigned int words[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++)
+        words[k] = (unsigned int)h[2 * k] | ((unsigned int)h[2 * k + 1] << 16);
+    *reinterpret_cast<uint4 *>(static_cast<unsigned short *>(x) + i) =
+        make_uint4(words[0], words[1], words[2], words[3]);
+}
+
 template <int D>
 __device__ __forceinline__ void rlhfz_store8(void *x, size_t i, const float v[RLHFZ_VEC])
 {
@@ -137,13 +150,11 @@ __device__ __forceinline__ void rlhfz_store8(void *x, size_t i, const float v[RL
         p[0] = make_float4(v[0], v[1], v[2], v[3]);
         p[1] = make_float4(v[4], v[5], v[6], v[7]);
     } else {
-        unsigned int words[4];
+        unsigned short h[RLHFZ_VEC];
 #pragma unroll
-        for (int k = 0; k < 4; k++)
-            words[k] = (unsigned int)rlhfz_f32_to_half<D>(v[2 * k]) |
-                       ((unsigned int)rlhfz_f32_to_half<D>(v[2 * k + 1]) << 16);
-        *reinterpret_cast<uint4 *>(static_cast<unsigned short *>(x) + i) =
-            make_uint4(words[0], words[1], words[2], words[3]);
+        for (int k = 0; k < RLHFZ_VEC; k++)
+            h[k] = rlhfz_f32_to_half<D>(v[k]);
+        rlhfz_store8_bits(x, i, h);
     }
 }
 
@@ -262,6 +273,24 @@ static inline void rlhfz_with_dtype(rlhfz_dtype dtype, Launch &&launch)
         launch(rlhfz_dtype_tag<RLHFZ_DTYPE_F16>{});
     else
         launch(rlhfz_dtype_tag<RLHFZ_DTYPE_F32>{});
+}
+
+/* The param_out kind of a kernel that writes no param_out. */
+#define RLHFZ_OUT_NONE (-1)
+
+/* Calls launch(grad, out) with the tags of the grad dtype and of param_out's
+ * dtype (RLHFZ_OUT_NONE's when param_out is NULL), both already checked:
+ * the AdamW steps' one kernel per (grad dtype, param_out kind). */
+template <typename Launch>
+static inline void rlhfz_with_grad_and_out(rlhfz_dtype grad_dtype, const void *param_out,
+                                           rlhfz_dtype param_dtype, Launch &&launch)
+{
+    rlhfz_with_dtype(grad_dtype, [&](auto grad) {
+        if (!param_out)
+            launch(grad, rlhfz_dtype_tag<RLHFZ_OUT_NONE>{});
+        else
+            rlhfz_with_dtype(param_dtype, [&](auto out) { launch(grad, out); });
+    });
 }
 
 #endif /* RLHFZ_CUDA_ELEMENTWISE_CUH */

@@ -15,14 +15,22 @@
 
 #include "rlhfz_kernels.h"
 
-static inline uint32_t rlhfz_f32_bits(float x)
+/* Under nvcc the bit casts and the bf16 conversions are device functions as
+ * well: lowp_state.h's formats use them, and CUDA kernels run those too. */
+#ifdef __CUDACC__
+#define RLHFZ_HOST_DEVICE __host__ __device__
+#else
+#define RLHFZ_HOST_DEVICE
+#endif
+
+static inline RLHFZ_HOST_DEVICE uint32_t rlhfz_f32_bits(float x)
 {
     uint32_t bits;
     memcpy(&bits, &x, sizeof bits);
     return bits;
 }
 
-static inline float rlhfz_f32_from_bits(uint32_t bits)
+static inline RLHFZ_HOST_DEVICE float rlhfz_f32_from_bits(uint32_t bits)
 {
     float x;
     memcpy(&x, &bits, sizeof x);
@@ -31,12 +39,12 @@ static inline float rlhfz_f32_from_bits(uint32_t bits)
 
 /* ---- bfloat16: the top half of an fp32 ------------------------------------ */
 
-static inline float rlhfz_bf16_to_f32(uint16_t h)
+static inline RLHFZ_HOST_DEVICE float rlhfz_bf16_to_f32(uint16_t h)
 {
     return rlhfz_f32_from_bits((uint32_t)h << 16);
 }
 
-static inline uint16_t rlhfz_f32_to_bf16(float x)
+static inline RLHFZ_HOST_DEVICE uint16_t rlhfz_f32_to_bf16(float x)
 {
     uint32_t bits = rlhfz_f32_bits(x);
     if ((bits & 0x7FFFFFFFu) > 0x7F800000u)

@@ -2,10 +2,10 @@
  * (internal).
  *
  * The definition of the bf16 and int8 states for the whole library: the
- * reference, the scalar level and every SIMD tail use these, and the SIMD
- * bodies are tested to agree with them bit for bit. Every step is an fp32
- * operation in a fixed order, so a SIMD lane that repeats it gets the same
- * bits.
+ * reference, the scalar level, every SIMD tail and the CUDA kernels use
+ * these, and the SIMD bodies are tested to agree with them bit for bit.
+ * Every step is an fp32 operation in a fixed order, so a SIMD lane that
+ * repeats it gets the same bits.
  */
 #ifndef RLHFZ_LOWP_STATE_H
 #define RLHFZ_LOWP_STATE_H
@@ -16,11 +16,55 @@
 #include "half_convert.h"
 #include "rlhfz_kernels.h"
 
+/* ---- fp32 operations, each rounded once ----------------------------------- */
+
+/* On the host these are the plain operators: gcc in ISO C mode contracts
+ * nothing, and one operation per function leaves a compiler that contracts
+ * within an expression nothing to fuse. nvcc fuses a multiply into the add
+ * that follows it across inlined calls, rounding once where the CPU rounds
+ * twice, so on the device these are the rounded intrinsics, and a kernel
+ * gets the CPU's bits. */
+static inline RLHFZ_HOST_DEVICE float rlhfz_add_rn(float a, float b)
+{
+#ifdef __CUDA_ARCH__
+    return __fadd_rn(a, b);
+#else
+    return a + b;
+#endif
+}
+
+static inline RLHFZ_HOST_DEVICE float rlhfz_mul_rn(float a, float b)
+{
+#ifdef __CUDA_ARCH__
+    return __fmul_rn(a, b);
+#else
+    return a * b;
+#endif
+}
+
+static inline RLHFZ_HOST_DEVICE float rlhfz_div_rn(float a, float b)
+{
+#ifdef __CUDA_ARCH__
+    return __fdiv_rn(a, b);
+#else
+    return a / b;
+#endif
+}
+
+static inline RLHFZ_HOST_DEVICE float rlhfz_sqrt_rn(float x)
+{
+#ifdef __CUDA_ARCH__
+    return __fsqrt_rn(x);
+#else
+    return sqrtf(x);
+#endif
+}
+
 /* ---- the counter hash behind stochastic rounding -------------------------- */
 
 /* An integer finalizer with full avalanche: every input bit flips each
  * output bit with probability close to 1/2. */
-static inline uint32_t rlhfz_mix32(uint32_t x)
+static inline RLHFZ_HOST_DEVICE uint32_t rlhfz_mix32(uint32_t x)
 {
     x ^= x >> 16;
     x *= 0x7FEB352Du;
@@ -32,14 +76,14 @@ static inline uint32_t rlhfz_mix32(uint32_t x)
 
 /* The high half of an element's index changes once per 2^32 elements; it is
  * folded into the key, so the per-element work is one mix of the low half. */
-static inline uint32_t rlhfz_index_key(uint32_t key, uint64_t index)
+static inline RLHFZ_HOST_DEVICE uint32_t rlhfz_index_key(uint32_t key, uint64_t index)
 {
     return rlhfz_mix32(key ^ (uint32_t)(index >> 32));
 }
 
 /* 32 random bits for an element: the top 16 round exp_avg, the low 16
  * exp_avg_sq. */
-static inline uint32_t rlhfz_round_bits(uint32_t index_key, uint64_t index)
+static inline RLHFZ_HOST_DEVICE uint32_t rlhfz_round_bits(uint32_t index_key, uint64_t index)
 {
     return rlhfz_mix32((uint32_t)index ^ index_key);
 }
@@ -49,7 +93,7 @@ static inline uint32_t rlhfz_round_bits(uint32_t index_key, uint64_t index)
 /* Stochastic: 16 random bits added below the kept half carry into it with
  * probability equal to the dropped fraction (of the magnitude, so the sign
  * never matters). A NaN is made quiet, as rlhfz_f32_to_bf16 does. */
-static inline uint16_t rlhfz_f32_to_bf16_stochastic(float x, uint32_t random16)
+static inline RLHFZ_HOST_DEVICE uint16_t rlhfz_f32_to_bf16_stochastic(float x, uint32_t random16)
 {
     uint32_t bits = rlhfz_f32_bits(x);
     if ((bits & 0x7FFFFFFFu) > 0x7F800000u)
@@ -57,7 +101,8 @@ static inline uint16_t rlhfz_f32_to_bf16_stochastic(float x, uint32_t random16)
     return (uint16_t)((bits + random16) >> 16);
 }
 
-static inline uint16_t rlhfz_bf16_round(float x, rlhfz_rounding rounding, uint32_t random16)
+static inline RLHFZ_HOST_DEVICE uint16_t rlhfz_bf16_round(float x, rlhfz_rounding rounding,
+                                                           uint32_t random16)
 {
     return rounding == RLHFZ_ROUND_STOCHASTIC ? rlhfz_f32_to_bf16_stochastic(x, random16)
                                               : rlhfz_f32_to_bf16(x);
@@ -70,33 +115,34 @@ static inline uint16_t rlhfz_bf16_round(float x, rlhfz_rounding rounding, uint32
 
 /* The per-block factors that decode a code: exp_avg = q * |q| * decode,
  * and sqrt(exp_avg_sq) = q * q * decode. */
-static inline float rlhfz_q_exp_avg_decode(float scale)
+static inline RLHFZ_HOST_DEVICE float rlhfz_q_exp_avg_decode(float scale)
 {
-    return scale * (1.0f / (127.0f * 127.0f));
+    return rlhfz_mul_rn(scale, 1.0f / (127.0f * 127.0f));
 }
 
-static inline float rlhfz_q_exp_avg_sq_decode(float scale)
+static inline RLHFZ_HOST_DEVICE float rlhfz_q_exp_avg_sq_decode(float scale)
 {
-    return sqrtf(scale) * (1.0f / (255.0f * 255.0f));
+    return rlhfz_mul_rn(rlhfz_sqrt_rn(scale), 1.0f / (255.0f * 255.0f));
 }
 
-static inline float rlhfz_q_exp_avg_value(int8_t q, float decode)
+static inline RLHFZ_HOST_DEVICE float rlhfz_q_exp_avg_value(int8_t q, float decode)
 {
     int magnitude = q < 0 ? -q : q;
-    return (float)(q * magnitude) * decode;
+    return rlhfz_mul_rn((float)(q * magnitude), decode);
 }
 
-static inline float rlhfz_q_exp_avg_sq_root(uint8_t q, float decode)
+static inline RLHFZ_HOST_DEVICE float rlhfz_q_exp_avg_sq_root(uint8_t q, float decode)
 {
-    return (float)(q * q) * decode;
+    return rlhfz_mul_rn((float)(q * q), decode);
 }
 
 /* The code of a position x in [0, top] of a map's square-root axis: nearest
  * (ties to even, as the SIMD conversions do), or up with probability of the
  * distance to the code below, u in [0, 1). x above top (by rounding) clamps. */
-static inline int rlhfz_q_code(float x, float top, rlhfz_rounding rounding, float u)
+static inline RLHFZ_HOST_DEVICE int rlhfz_q_code(float x, float top, rlhfz_rounding rounding,
+                                                  float u)
 {
-    float code = rounding == RLHFZ_ROUND_STOCHASTIC ? floorf(x + u) : nearbyintf(x);
+    float code = rounding == RLHFZ_ROUND_STOCHASTIC ? floorf(rlhfz_add_rn(x, u)) : nearbyintf(x);
     return (int)(code < top ? code : top);
 }
 
@@ -104,40 +150,42 @@ static inline int rlhfz_q_code(float x, float top, rlhfz_rounding rounding, floa
  * largest magnitude and exp_avg_sq's its largest value; 0 for an all-zero
  * block. A block that is not finite gets scale NaN and its codes are all 0
  * (the caller writes them without encoding). */
-static inline float rlhfz_q_exp_avg_encode(float largest, int finite, float *scale)
+static inline RLHFZ_HOST_DEVICE float rlhfz_q_exp_avg_encode(float largest, int finite,
+                                                              float *scale)
 {
     *scale = finite ? largest : NAN;
-    return finite && largest > 0.0f ? 1.0f / largest : 0.0f;
+    return finite && largest > 0.0f ? rlhfz_div_rn(1.0f, largest) : 0.0f;
 }
 
-static inline float rlhfz_q_exp_avg_sq_encode(float largest, int finite, float *scale)
+static inline RLHFZ_HOST_DEVICE float rlhfz_q_exp_avg_sq_encode(float largest, int finite,
+                                                                 float *scale)
 {
     *scale = finite ? largest : NAN;
-    return finite && largest > 0.0f ? 1.0f / sqrtf(largest) : 0.0f;
+    return finite && largest > 0.0f ? rlhfz_div_rn(1.0f, rlhfz_sqrt_rn(largest)) : 0.0f;
 }
 
 /* exp_avg's code: the square-root axis of |m| / scale, signed. */
-static inline int8_t rlhfz_q_exp_avg_code(float m, float encode, rlhfz_rounding rounding,
-                                          float u)
+static inline RLHFZ_HOST_DEVICE int8_t rlhfz_q_exp_avg_code(float m, float encode,
+                                                            rlhfz_rounding rounding, float u)
 {
-    float x = sqrtf(fabsf(m) * encode) * RLHFZ_Q_EXP_AVG_MAX;
+    float x = rlhfz_mul_rn(rlhfz_sqrt_rn(rlhfz_mul_rn(fabsf(m), encode)), RLHFZ_Q_EXP_AVG_MAX);
     int q = rlhfz_q_code(x, RLHFZ_Q_EXP_AVG_MAX, rounding, u);
     return (int8_t)(signbit(m) ? -q : q);
 }
 
 /* exp_avg_sq's code, from its square root r (the step computes r anyway):
  * the square-root axis of r / sqrt(scale). encode is 1 / sqrt(scale). */
-static inline uint8_t rlhfz_q_exp_avg_sq_code(float root, float encode,
-                                              rlhfz_rounding rounding, float u)
+static inline RLHFZ_HOST_DEVICE uint8_t rlhfz_q_exp_avg_sq_code(float root, float encode,
+                                                                rlhfz_rounding rounding, float u)
 {
-    float x = sqrtf(root * encode) * RLHFZ_Q_EXP_AVG_SQ_MAX;
+    float x = rlhfz_mul_rn(rlhfz_sqrt_rn(rlhfz_mul_rn(root, encode)), RLHFZ_Q_EXP_AVG_SQ_MAX);
     return (uint8_t)rlhfz_q_code(x, RLHFZ_Q_EXP_AVG_SQ_MAX, rounding, u);
 }
 
 /* u in [0, 1) from 16 random bits. */
-static inline float rlhfz_unit16(uint32_t random16)
+static inline RLHFZ_HOST_DEVICE float rlhfz_unit16(uint32_t random16)
 {
-    return (float)random16 * (1.0f / 65536.0f);
+    return rlhfz_mul_rn((float)random16, 1.0f / 65536.0f);
 }
 
 #endif /* RLHFZ_LOWP_STATE_H */

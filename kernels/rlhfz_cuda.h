@@ -98,6 +98,20 @@ rlhfz_status rlhfz_adamw_cuda(const rlhfz_adamw_shard *shard, const rlhfz_adamw_
                               const rlhfz_adamw_hparams *hp_device,
                               const int *skip_if_nonzero, void *stream);
 
+/* ---- AdamW with low-precision moments (adamw_lowp_cuda.cu) ----------------- */
+
+/* One step over a flat shard part in device memory whose moments are bf16,
+ * or int8 / uint8 codes with one fp32 scale per RLHFZ_QBLOCK block: the
+ * bits of rlhfz_adamw_lowp_reference, for either rounding. One launch; the
+ * arguments are checked as rlhfz_adamw_lowp_check_args does. If
+ * skip_if_nonzero is not NULL and *skip_if_nonzero != 0 on the device,
+ * nothing is written. The hyperparameters are host values only: the
+ * rounding key depends on the step, so a captured replay could not change
+ * it. */
+rlhfz_status rlhfz_adamw_lowp_cuda(const rlhfz_adamw_lowp_shard *shard,
+                                   const rlhfz_adamw_hparams *hp, const int *skip_if_nonzero,
+                                   void *stream);
+
 /* ---- reductions, scaling and casts (reduce_cuda.cu) ------------------------ */
 
 /* Doubles of scratch that rlhfz_sumsq_cuda needs (one per block it launches). */

@@ -148,6 +148,12 @@ typedef struct {
 /* The key of one step's stochastic rounding, from a seed and the step. */
 uint32_t rlhfz_rounding_key(uint32_t seed, uint64_t step);
 
+/* The checks every low-precision step makes before it touches memory (the
+ * reference, the CPU levels and the CUDA step reject the same inputs):
+ * RLHFZ_ERR_INVALID for a null pointer where data is needed or a bad enum. */
+rlhfz_status rlhfz_adamw_lowp_check_args(const rlhfz_adamw_lowp_shard *shard,
+                                         const rlhfz_adamw_hparams *hp);
+
 rlhfz_status rlhfz_adamw_lowp_reference(const rlhfz_adamw_lowp_shard *shard,
                                         const rlhfz_adamw_hparams *hp);
 rlhfz_status rlhfz_adamw_lowp_cpu(const rlhfz_adamw_lowp_shard *shard,

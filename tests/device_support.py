@@ -48,8 +48,11 @@ def empty(shape, dtype=torch.float32) -> torch.Tensor:
         numel *= dim
     name = NAMES.get(dtype)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    buffer = _C.Buffer(max(numel, 1) * itemsize, "device", zero=False)
-    if name is None:      # other dtypes: the bytes, reinterpreted
+    nbytes = max(numel, 1) * itemsize
+    # other dtypes are the bytes of a float16 view, reinterpreted: an odd
+    # count of bytes (of int8, say) takes one more
+    buffer = _C.Buffer(nbytes + (nbytes % 2 if name is None else 0), "device", zero=False)
+    if name is None:
         raw = torch.from_dlpack(buffer.view("float16")).view(torch.uint8)
         return raw[:numel * itemsize].view(dtype).view(shape)
     return torch.from_dlpack(buffer.view(name, 0, (numel,))).view(shape)
@@ -73,6 +76,69 @@ def to_device(values: torch.Tensor) -> torch.Tensor:
 def to_host(tensor: torch.Tensor) -> torch.Tensor:
     """A copy in host memory (after the default stream's work)."""
     return tensor.detach().clone() if SIMULATED else tensor.detach().cpu()
+
+
+# Guarded arrays: the bits of each dtype, and a pattern between arrays that
+# no kernel writes. Signalling NaNs for floats (every kernel's conversions
+# quiet NaNs); -128 for int8 codes (they stop at -127); for uint8 codes,
+# which take every value, a pattern an overrun would have to write exactly.
+BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
+        torch.int8: torch.int8, torch.uint8: torch.uint8}
+SENTINEL = {torch.float32: 0x7FA5A5A5, torch.bfloat16: 0x7FA5, torch.float16: 0x7DA5,
+            torch.int8: -128, torch.uint8: 0xA5}
+# 16 elements: 64, 32 or 16 bytes, so an array at offset 0 keeps the
+# allocation's 16-byte alignment and takes the vector path.
+GUARD = 16
+
+
+class Guarded:
+    """n device elements between GUARD sentinel elements on each side; `arg`
+    is what the kernel gets: a torch slice, or with buffer=True an rlhfz
+    BufferView of a device Buffer (float dtypes only)."""
+
+    def __init__(self, values: torch.Tensor | None, offset: int = 0, *, n: int | None = None,
+                 dtype: torch.dtype | None = None, buffer: bool = False):
+        dtype = values.dtype if values is not None else dtype
+        n = values.numel() if values is not None else n
+        self.dtype, self.lo, self.hi = dtype, GUARD + offset, GUARD + offset + n
+        total = self.hi + GUARD
+        if buffer:
+            self.owner = _C.Buffer(total * torch.empty((), dtype=dtype).element_size(), "device")
+            self.full = torch.from_dlpack(self.owner.view(NAMES[dtype]))
+            self.arg = self.owner.view(NAMES[dtype], self.lo, (n,))
+        else:
+            self.full = empty(total, dtype)
+            self.arg = self.full[self.lo:self.hi]
+        self.full.view(BITS[dtype]).fill_(SENTINEL[dtype])
+        self.values = self.full[self.lo:self.hi]
+        if values is not None:
+            self.values.copy_(values)
+
+    def guards_intact(self) -> bool:
+        bits = self.full.view(BITS[self.dtype])
+        sentinel = SENTINEL[self.dtype]
+        return bool((bits[:self.lo] == sentinel).all()) and bool((bits[self.hi:] == sentinel).all())
+
+    def host(self) -> torch.Tensor:
+        return to_host(self.values)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of t's bits, as integers."""
+    return to_host(t).view(BITS[t.dtype])
+
+
+def assert_same_bits(actual, expected, what):
+    """Bitwise equality (the sign of zero included); on failure, how many
+    elements differ and by how many ulps at most."""
+    a, e = bits(actual).long(), bits(expected).long()
+    diff = (a - e).abs()     # the distance in ulps, for values of one sign
+    if bool(diff.any()):
+        i = int(torch.nonzero(diff)[0])
+        raise AssertionError(
+            f"{what}: {int((diff > 0).sum())} of {diff.numel()} elements differ, by up to "
+            f"{int(diff.max())} ulp; first at {i}: {actual.reshape(-1)[i].item()!r} vs "
+            f"{expected.reshape(-1)[i].item()!r}")
 
 
 def stream() -> int:

@@ -38,20 +38,12 @@ import pytest
 import torch
 
 import rlhfz
-from device_support import (SIMULATED, empty, held, needs_device, needs_real_gpu, needs_simulator,
-                            to_device, to_host, zeros)
+from device_support import (SENTINEL, SIMULATED, Guarded, assert_same_bits, bits, empty, held,
+                            needs_device, needs_real_gpu, needs_simulator, to_device, zeros)
 from device_support import stream as current_stream
 from rlhfz import _C
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-NAMES = {dtype: name for name, dtype in DTYPES.items()}
-BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
-# Signalling NaNs: every kernel's conversions quiet NaNs, so none writes these.
-SENTINEL = {torch.float32: 0x7FA5A5A5, torch.bfloat16: 0x7FA5, torch.float16: 0x7DA5}
-# 16 elements: 64 or 32 bytes, so an array at offset 0 keeps the allocation's
-# 16-byte alignment and takes the vector path.
-GUARD = 16
-
 SIZES = [1, 7, 8, 9, 1023, 4097, 100_003] + sorted(
     int(n) for n in np.random.default_rng(20261122).integers(10, 300_000, 3))
 if SIMULATED:
@@ -96,55 +88,6 @@ def _sweep(sizes, *axes, large_on_the_simulator=()):
     if SIMULATED:
         cases += [(LARGE, *rest) for rest in large_on_the_simulator]
     return cases
-
-
-class Guarded:
-    """n device elements between GUARD sentinel elements on each side; `arg`
-    is what the kernel gets: a torch slice, or with buffer=True an rlhfz
-    BufferView of a device Buffer."""
-
-    def __init__(self, values: torch.Tensor | None, offset: int = 0, *, n: int | None = None,
-                 dtype: torch.dtype | None = None, buffer: bool = False):
-        dtype = values.dtype if values is not None else dtype
-        n = values.numel() if values is not None else n
-        self.dtype, self.lo, self.hi = dtype, GUARD + offset, GUARD + offset + n
-        total = self.hi + GUARD
-        if buffer:
-            self.owner = _C.Buffer(total * torch.empty((), dtype=dtype).element_size(), "device")
-            self.full = torch.from_dlpack(self.owner.view(NAMES[dtype]))
-            self.arg = self.owner.view(NAMES[dtype], self.lo, (n,))
-        else:
-            self.full = empty(total, dtype)
-            self.arg = self.full[self.lo:self.hi]
-        self.full.view(BITS[dtype]).fill_(SENTINEL[dtype])
-        self.values = self.full[self.lo:self.hi]
-        if values is not None:
-            self.values.copy_(values)
-
-    def guards_intact(self) -> bool:
-        bits = self.full.view(BITS[self.dtype])
-        sentinel = SENTINEL[self.dtype]
-        return bool((bits[:self.lo] == sentinel).all()) and bool((bits[self.hi:] == sentinel).all())
-
-    def host(self) -> torch.Tensor:
-        return to_host(self.values)
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return to_host(t).view(BITS[t.dtype])
-
-
-def _assert_same_bits(actual, expected, what):
-    """Bitwise equality (the sign of zero included); on failure, how many
-    elements differ and by how many ulps at most."""
-    a, e = _bits(actual).long(), _bits(expected).long()
-    diff = (a - e).abs()     # the distance in ulps, for values of one sign
-    if bool(diff.any()):
-        i = int(torch.nonzero(diff)[0])
-        raise AssertionError(
-            f"{what}: {int((diff > 0).sum())} of {diff.numel()} elements differ, by up to "
-            f"{int(diff.max())} ulp; first at {i}: {actual.reshape(-1)[i].item()!r} vs "
-            f"{expected.reshape(-1)[i].item()!r}")
 
 
 def _inputs(n, seed, grad_dtype):
@@ -211,7 +154,7 @@ def _check_step(arrays, out, inputs, param_dtype, hp, what, f64=None):
         assert a.guards_intact(), f"{what}: {name} written outside its range"
     if out is not None:
         assert out.guards_intact(), f"{what}: param_out written outside its range"
-    _assert_same_bits(arrays[3].host(), inputs[3], f"{what}: grad changed")
+    assert_same_bits(arrays[3].host(), inputs[3], f"{what}: grad changed")
     got = [a.host() for a in arrays[:3]]
     names = ("master", "exp_avg", "exp_avg_sq")
     # the math first, so that a wrong result says so before a bits mismatch
@@ -220,10 +163,10 @@ def _check_step(arrays, out, inputs, param_dtype, hp, what, f64=None):
             _assert_close_f64(g, r, s, f"{what}: {name}")
     expected, expected_out = _cpu_reference(*inputs, param_dtype, **hp)
     for name, g, e in zip(names, got, expected):
-        _assert_same_bits(g, e, f"{what}: {name} vs the CPU reference")
+        assert_same_bits(g, e, f"{what}: {name} vs the CPU reference")
     if out is not None:
-        _assert_same_bits(out.host(), expected_out, f"{what}: param_out vs the CPU reference")
-        _assert_same_bits(out.host(), got[0].to(param_dtype), f"{what}: param_out vs master")
+        assert_same_bits(out.host(), expected_out, f"{what}: param_out vs the CPU reference")
+        assert_same_bits(out.host(), got[0].to(param_dtype), f"{what}: param_out vs master")
 
 
 # ---- AdamW -----------------------------------------------------------------------------
@@ -285,7 +228,7 @@ def test_adamw_edge_values_match_the_cpu_reference(grad_dtype):
                              expected + [expected_out]):
             assert torch.equal(torch.isnan(got), torch.isnan(want))
             keep = ~torch.isnan(want)
-            _assert_same_bits(got[keep], want[keep], f"edge values, grad {grad_dtype}")
+            assert_same_bits(got[keep], want[keep], f"edge values, grad {grad_dtype}")
         assert arrays[0].host()[0].item() == 1.0        # zero grad, zero state: no update
 
 
@@ -321,9 +264,9 @@ def test_skip_if_nonzero_writes_nothing(flag):
         arrays, out = _cuda_step(inputs, offsets, torch.bfloat16, skip_if=skip, **hp)
         for a, before in zip(arrays, inputs):
             assert a.guards_intact()
-            _assert_same_bits(a.host(), before, f"skip_if={flag}")
+            assert_same_bits(a.host(), before, f"skip_if={flag}")
         assert out.guards_intact()
-        assert bool((_bits(out.values) == SENTINEL[torch.bfloat16]).all())
+        assert bool((bits(out.values) == SENTINEL[torch.bfloat16]).all())
     _C.cuda_store(skip, 0, struct.pack("<i", 0), stream=current_stream())
     arrays, out = _cuda_step(inputs, LAYOUTS["mixed"], torch.bfloat16, skip_if=skip, **hp)
     _check_step(arrays, out, inputs, torch.bfloat16, hp, "skip_if=0")
@@ -356,7 +299,7 @@ def test_device_hparams_equal_the_keyword_path_bit_for_bit(hp_name):
                                         device_hparams=on_device, **DECOY)
         for a, b in zip(device + [device_out], keyword + [keyword_out]):
             assert a.guards_intact()
-            _assert_same_bits(a.host(), b.host(), f"device_hparams {hp_name}")
+            assert_same_bits(a.host(), b.host(), f"device_hparams {hp_name}")
 
 
 @pytest.mark.gpu
@@ -382,7 +325,7 @@ def test_captured_step_replays_with_the_values_on_the_device():
                            **DECOY)
     graph.replay()                       # skip flag still set
     for t, before in zip(args, inputs):
-        _assert_same_bits(t, before, "replay with skip_if set")
+        assert_same_bits(t, before, "replay with skip_if set")
 
     ref = [t.clone() for t in inputs[:3]]
     ref_out = torch.empty(n, dtype=torch.bfloat16)
@@ -392,7 +335,7 @@ def test_captured_step_replays_with_the_values_on_the_device():
         graph.replay()
         _C.adamw_step(*ref, inputs[3], ref_out, simd="reference", **hp)
         for got, want in zip((master, exp_avg, exp_avg_sq, out), ref + [ref_out]):
-            _assert_same_bits(got, want, f"replay with step={hp['step']}")
+            assert_same_bits(got, want, f"replay with step={hp['step']}")
 
 
 @pytest.mark.gpu
@@ -416,8 +359,8 @@ def test_a_queued_step_uses_the_values_on_the_device_when_it_runs():
         _C.cuda_store(skip, 0, struct.pack("<i", 1))
     side.synchronize()
     for a, before in zip(arrays, inputs):
-        _assert_same_bits(a.host(), before, "a step whose flag was set after it was queued")
-    assert bool((_bits(out.values) == SENTINEL[torch.bfloat16]).all())
+        assert_same_bits(a.host(), before, "a step whose flag was set after it was queued")
+    assert bool((bits(out.values) == SENTINEL[torch.bfloat16]).all())
     with held(side):
         _C.cuda_adamw_step(*args, device_hparams=on_device, skip_if=skip, stream=side, **DECOY)
         _C.cuda_store(skip, 0, struct.pack("<i", 0))
@@ -461,7 +404,7 @@ def test_sumsq_matches_the_exact_sum_and_repeats_bit_for_bit(n, offset, dtype):
     expected = math.fsum((values.double() ** 2).tolist())
     assert value == pytest.approx(expected, rel=1e-12, abs=0)
     assert x.guards_intact()
-    _assert_same_bits(x.host(), values, "sumsq changed its input")
+    assert_same_bits(x.host(), values, "sumsq changed its input")
     # The partition of the elements depends on n alone: another alignment,
     # through an rlhfz view this time, adds in the same order.
     other = Guarded(values, 3 - offset, buffer=True)
@@ -525,7 +468,7 @@ def test_unscale_scales_and_flags_nonfinite_grads(n, offset, dtype, inv_scale):
     g = Guarded(values, offset)
     _C.cuda_unscale_(g.arg, inv_scale, found, stream=current_stream())
     assert g.guards_intact()
-    _assert_same_bits(g.host(), _scaled(values, inv_scale), "unscale")
+    assert_same_bits(g.host(), _scaled(values, inv_scale), "unscale")
     assert _flag(found) == 0
 
     bad = values.clone()
@@ -537,7 +480,7 @@ def test_unscale_scales_and_flags_nonfinite_grads(n, offset, dtype, inv_scale):
     got, want = g.host(), _scaled(bad, inv_scale)
     assert torch.equal(torch.isnan(got), torch.isnan(want)) and g.guards_intact()
     finite = torch.isfinite(want)
-    _assert_same_bits(got[finite], want[finite], "unscale beside an Inf")
+    assert_same_bits(got[finite], want[finite], "unscale beside an Inf")
     # never cleared here: a finite call after leaves the flag set
     _C.cuda_unscale_(Guarded(values, offset).arg, inv_scale, found, stream=current_stream())
     assert _flag(found) == 1
@@ -554,18 +497,18 @@ def test_scale_matches_torch_and_the_cpu_kernel(n, offset, dtype, factor):
     expected = _scaled(values, factor)
     on_cpu = values.clone()
     _C.scale_(on_cpu, factor)
-    _assert_same_bits(on_cpu, expected, "CPU scale_")
+    assert_same_bits(on_cpu, expected, "CPU scale_")
     x = Guarded(values, offset)
     _C.cuda_scale_(x.arg, factor, stream=current_stream())
     assert x.guards_intact()
-    _assert_same_bits(x.host(), expected, "cuda_scale_")
+    assert_same_bits(x.host(), expected, "cuda_scale_")
     # from the device: the factor there wins over the keyword
     factor_buffer = _C.Buffer(4, tier="device")
     _C.cuda_store(factor_buffer, 0, struct.pack("<f", factor), stream=current_stream())
     y = Guarded(values, offset, buffer=True)
     _C.cuda_scale_(y.arg, 123.0, scale_device=factor_buffer, stream=current_stream())
     assert y.guards_intact()
-    _assert_same_bits(y.host(), expected, "cuda_scale_ with scale_device")
+    assert_same_bits(y.host(), expected, "cuda_scale_ with scale_device")
 
 
 def _cast_values(n, seed):
@@ -592,8 +535,8 @@ def test_cast_matches_torch_round_to_nearest_even(n, offsets, src, dst):
     target = Guarded(None, offsets[1], n=n, dtype=DTYPES[dst])
     _C.cuda_cast_(target.arg, source.arg, stream=current_stream())
     assert source.guards_intact() and target.guards_intact()
-    _assert_same_bits(source.host(), values, "cast changed its source")
-    _assert_same_bits(target.host(), values.to(DTYPES[dst]), f"cast {src} -> {dst}")
+    assert_same_bits(source.host(), values, "cast changed its source")
+    assert_same_bits(target.host(), values.to(DTYPES[dst]), f"cast {src} -> {dst}")
 
 
 @pytest.mark.gpu
@@ -604,7 +547,7 @@ def test_cast_of_a_large_array_and_of_nans_gives_the_cpu_bits():
         target = Guarded(None, 1, n=LARGE, dtype=dst)
         _C.cuda_cast_(target.arg, Guarded(values, 0).arg, stream=current_stream())
         assert target.guards_intact()
-        _assert_same_bits(target.host(), values.to(dst), f"large cast to {dst}")
+        assert_same_bits(target.host(), values.to(dst), f"large cast to {dst}")
     # NaNs with payloads: quieted, the top of the payload kept, as on the CPU
     payloads = torch.tensor([0x7FC00001, 0x7F800001, 0xFFA5A5A5 - (1 << 32), 0x7FFFFFFF,
                              0x3F800000] * 5, dtype=torch.int32).view(torch.float32)
@@ -615,7 +558,7 @@ def test_cast_of_a_large_array_and_of_nans_gives_the_cpu_bits():
             _C.cast_(on_cpu, source)
             target = Guarded(None, 3, n=source.numel(), dtype=dst)
             _C.cuda_cast_(target.arg, Guarded(source, 1).arg, stream=current_stream())
-            _assert_same_bits(target.host(), on_cpu, f"NaN cast {src} -> {dst}")
+            assert_same_bits(target.host(), on_cpu, f"NaN cast {src} -> {dst}")
 
 
 def _cpu_cast(values, dtype):
@@ -882,7 +825,7 @@ def test_bad_arguments_raise_and_change_nothing():
     with pytest.raises(TypeError, match="stream must be"):
         _C.cuda_adamw_step(master, exp_avg, exp_avg_sq, grad, stream="default", **HP)
     for got, before in zip(on_device, inputs):
-        _assert_same_bits(got, before, "a refused call changed an array")
+        assert_same_bits(got, before, "a refused call changed an array")
 
     out, workspace = _sumsq_buffers()
     with pytest.raises(ValueError, match="needs at least"):
