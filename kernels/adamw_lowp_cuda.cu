@@ -161,12 +161,12 @@ rlhfz_adamw_lowp_int8_kernel(float *master, int8_t *exp_avg, uint8_t *exp_avg_sq
 
         /* decode and step; every thread reads the old scales before the
          * block max's first barrier, and thread 0 writes the new ones after */
-        const float decode = rlhfz_q_exp_avg_decode(exp_avg_scale[block]);
-        const float sq_decode = rlhfz_q_exp_avg_sq_decode(exp_avg_sq_scale[block]);
+        const float old_scale = exp_avg_scale[block];
+        const float old_sq_scale = exp_avg_sq_scale[block];
         float m = 0.0f, v = 0.0f, root = 0.0f;
         if (live) {
-            m = rlhfz_q_exp_avg_value(exp_avg[i], decode);
-            float old_root = rlhfz_q_exp_avg_sq_root(exp_avg_sq[i], sq_decode);
+            m = rlhfz_q_exp_avg_value(exp_avg[i], old_scale);
+            float old_root = rlhfz_q_exp_avg_sq_root(exp_avg_sq[i], old_sq_scale);
             v = __fmul_rn(old_root, old_root);
             float p = master[i];
             root = rlhfz_adamw_element(hp, rlhfz_load<G>(grad, i), p, m, v);
@@ -175,13 +175,13 @@ rlhfz_adamw_lowp_int8_kernel(float *master, int8_t *exp_avg, uint8_t *exp_avg_sq
                 rlhfz_store<OUT>(param_out, i, p);
         }
 
-        /* the new scales: the block's largest |exp_avg| and exp_avg_sq */
-        float largest = lowp_finite_or_inf(fabsf(m)), sq_largest = lowp_finite_or_inf(v);
+        /* the new scales: the block's largest |exp_avg| and sqrt(exp_avg_sq) */
+        float largest = lowp_finite_or_inf(fabsf(m)), sq_largest = lowp_finite_or_inf(root);
         lowp_block_max(largest, sq_largest);
         const int finite = isfinite(largest), sq_finite = isfinite(sq_largest);
         float scale, sq_scale;
-        const float encode = rlhfz_q_exp_avg_encode(largest, finite, &scale);
-        const float sq_encode = rlhfz_q_exp_avg_sq_encode(sq_largest, sq_finite, &sq_scale);
+        const float encode = rlhfz_q_encode(largest, finite, &scale);
+        const float sq_encode = rlhfz_q_encode(sq_largest, sq_finite, &sq_scale);
         if (threadIdx.x == 0) {
             exp_avg_scale[block] = scale;
             exp_avg_sq_scale[block] = sq_scale;

@@ -64,30 +64,30 @@ static void int8_reference(const rlhfz_adamw_lowp_shard *shard, const rlhfz_adam
         size_t count = shard->n - begin < RLHFZ_QBLOCK ? shard->n - begin : RLHFZ_QBLOCK;
 
         /* decode, step, and find the new scales */
-        float decode = rlhfz_q_exp_avg_decode(shard->exp_avg_scale[block]);
-        float sq_decode = rlhfz_q_exp_avg_sq_decode(shard->exp_avg_sq_scale[block]);
+        float old_scale = shard->exp_avg_scale[block];
+        float old_sq_scale = shard->exp_avg_sq_scale[block];
         float largest = 0.0f, sq_largest = 0.0f;
         int finite = 1, sq_finite = 1;
         for (size_t k = 0; k < count; k++) {
             size_t i = begin + k;
-            m[k] = rlhfz_q_exp_avg_value(codes[i], decode);
-            float old_root = rlhfz_q_exp_avg_sq_root(sq_codes[i], sq_decode);
+            m[k] = rlhfz_q_exp_avg_value(codes[i], old_scale);
+            float old_root = rlhfz_q_exp_avg_sq_root(sq_codes[i], old_sq_scale);
             float v = old_root * old_root;
             root[k] = step_element(shard, hp, i, &m[k], &v);
             if (isfinite(m[k]))
                 largest = fmaxf(largest, fabsf(m[k]));
             else
                 finite = 0;
-            if (isfinite(v))
-                sq_largest = fmaxf(sq_largest, v);
+            if (isfinite(root[k]))
+                sq_largest = fmaxf(sq_largest, root[k]);
             else
                 sq_finite = 0;
         }
 
         /* encode against them */
         float scale, sq_scale;
-        float encode = rlhfz_q_exp_avg_encode(largest, finite, &scale);
-        float sq_encode = rlhfz_q_exp_avg_sq_encode(sq_largest, sq_finite, &sq_scale);
+        float encode = rlhfz_q_encode(largest, finite, &scale);
+        float sq_encode = rlhfz_q_encode(sq_largest, sq_finite, &sq_scale);
         shard->exp_avg_scale[block] = scale;
         shard->exp_avg_sq_scale[block] = sq_scale;
         for (size_t k = 0; k < count; k++) {

@@ -56,11 +56,12 @@ void rlhfz_lowp_bf16_chunk_avx512(const rlhfz_adamw_lowp_shard *shard,
 void rlhfz_lowp_int8_chunk_avx512(const rlhfz_adamw_lowp_shard *shard,
                                   const rlhfz_adamw_consts *c, size_t begin, size_t end);
 
-/* One int8 block on its way through a step: the factors that decode its
- * codes, its new moments (exp_avg, and sqrt(exp_avg_sq)), and the running
- * largest of each over the finite values, with whether all were finite. */
+/* One int8 block on its way through a step: the scales its codes were
+ * encoded against, its new moments (exp_avg, and sqrt(exp_avg_sq)), and the
+ * running largest magnitude of each over the finite values, with whether
+ * all were finite. */
 typedef struct {
-    float decode, sq_decode;
+    float scale, sq_scale;
     float moments[RLHFZ_QBLOCK], roots[RLHFZ_QBLOCK];
     float largest, sq_largest;
     int finite, sq_finite;

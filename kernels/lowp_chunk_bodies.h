@@ -157,18 +157,20 @@ SIMD_INLINE void int8_block(const rlhfz_adamw_lowp_shard *shard, const rlhfz_ada
     size_t index = begin / RLHFZ_QBLOCK;
     int8_t *codes = shard->exp_avg;
     uint8_t *sq_codes = shard->exp_avg_sq;
-    rlhfz_q_block block = {
-        .decode = rlhfz_q_exp_avg_decode(shard->exp_avg_scale[index]),
-        .sq_decode = rlhfz_q_exp_avg_sq_decode(shard->exp_avg_sq_scale[index])};
-    simd_f32 decode = simd_set1(block.decode), sq_decode = simd_set1(block.sq_decode);
+    rlhfz_q_block block = {.scale = shard->exp_avg_scale[index],
+                           .sq_scale = shard->exp_avg_sq_scale[index]};
+    simd_f32 scale = simd_set1(block.scale), sq_scale = simd_set1(block.sq_scale);
 
     /* decode, step, and find the new scales */
     simd_f32 zero = simd_set1(0.0f);
     simd_f32 largest = zero, sq_largest = zero, nonfinite = zero, sq_nonfinite = zero;
+    /* the codes' fractions of their scales, as rlhfz_q_exp_avg_value takes them */
+    simd_f32 exp_avg_unit = simd_set1(1.0f / (127.0f * 127.0f));
+    simd_f32 sq_unit = simd_set1(1.0f / (255.0f * 255.0f));
     size_t i = begin;
     for (; i + W <= end; i += W) {
-        simd_f32 m = simd_mul(simd_q_signed_square_load(codes + i), decode);
-        simd_f32 root = simd_mul(simd_q_square_load(sq_codes + i), sq_decode);
+        simd_f32 m = simd_mul(simd_mul(simd_q_signed_square_load(codes + i), exp_avg_unit), scale);
+        simd_f32 root = simd_mul(simd_mul(simd_q_square_load(sq_codes + i), sq_unit), sq_scale);
         simd_f32 v = simd_mul(root, root);
         root = lowp_step_vec(shard, k, i, grad_dtype, out, &m, &v);
         simd_storeu(block.moments + (i - begin), m);
@@ -177,8 +179,8 @@ SIMD_INLINE void int8_block(const rlhfz_adamw_lowp_shard *shard, const rlhfz_ada
         simd_f32 magnitude = simd_abs(m);
         largest = simd_max(magnitude, largest);
         nonfinite = simd_add(nonfinite, simd_sub(magnitude, magnitude));
-        sq_largest = simd_max(v, sq_largest);
-        sq_nonfinite = simd_add(sq_nonfinite, simd_sub(v, v));
+        sq_largest = simd_max(root, sq_largest);
+        sq_nonfinite = simd_add(sq_nonfinite, simd_sub(root, root));
     }
     block.largest = largest_lane(largest);
     block.sq_largest = largest_lane(sq_largest);
@@ -187,10 +189,9 @@ SIMD_INLINE void int8_block(const rlhfz_adamw_lowp_shard *shard, const rlhfz_ada
     rlhfz_lowp_int8_step_scalar(shard, c, begin, i, end, &block);
 
     /* encode against them */
-    float encode = rlhfz_q_exp_avg_encode(block.largest, block.finite,
-                                          &shard->exp_avg_scale[index]);
-    float sq_encode = rlhfz_q_exp_avg_sq_encode(block.sq_largest, block.sq_finite,
-                                                &shard->exp_avg_sq_scale[index]);
+    float encode = rlhfz_q_encode(block.largest, block.finite, &shard->exp_avg_scale[index]);
+    float sq_encode =
+        rlhfz_q_encode(block.sq_largest, block.sq_finite, &shard->exp_avg_sq_scale[index]);
     simd_f32 encode_vec = simd_set1(encode), sq_encode_vec = simd_set1(sq_encode);
     int stochastic = shard->rounding == RLHFZ_ROUND_STOCHASTIC;
     simd_i32 low16 = simd_i32_set1(0xFFFFu), none = simd_i32_set1(0);

@@ -79,8 +79,8 @@ void rlhfz_lowp_int8_step_scalar(const rlhfz_adamw_lowp_shard *shard,
     const int8_t *codes = shard->exp_avg;
     const uint8_t *sq_codes = shard->exp_avg_sq;
     for (size_t i = from; i < end; i++) {
-        float m = rlhfz_q_exp_avg_value(codes[i], block->decode);
-        float root = rlhfz_q_exp_avg_sq_root(sq_codes[i], block->sq_decode);
+        float m = rlhfz_q_exp_avg_value(codes[i], block->scale);
+        float root = rlhfz_q_exp_avg_sq_root(sq_codes[i], block->sq_scale);
         float v = root * root;
         root = rlhfz_lowp_element_scalar(shard, c, i, &m, &v);
         block->moments[i - begin] = m;
@@ -91,10 +91,10 @@ void rlhfz_lowp_int8_step_scalar(const rlhfz_adamw_lowp_shard *shard,
             block->finite = 0;
         else if (magnitude > block->largest)
             block->largest = magnitude;
-        if (!isfinite(v))
+        if (!isfinite(root))
             block->sq_finite = 0;
-        else if (v > block->sq_largest)
-            block->sq_largest = v;
+        else if (root > block->sq_largest)
+            block->sq_largest = root;
     }
 }
 
@@ -105,15 +105,13 @@ static void int8_block(const rlhfz_adamw_lowp_shard *shard, const rlhfz_adamw_co
 {
     size_t index = begin / RLHFZ_QBLOCK;
     rlhfz_q_block block = {
-        .decode = rlhfz_q_exp_avg_decode(shard->exp_avg_scale[index]),
-        .sq_decode = rlhfz_q_exp_avg_sq_decode(shard->exp_avg_sq_scale[index]),
+        .scale = shard->exp_avg_scale[index], .sq_scale = shard->exp_avg_sq_scale[index],
         .finite = 1, .sq_finite = 1};
     rlhfz_lowp_int8_step_scalar(shard, c, begin, begin, end, &block);
 
-    float encode = rlhfz_q_exp_avg_encode(block.largest, block.finite,
-                                          &shard->exp_avg_scale[index]);
-    float sq_encode = rlhfz_q_exp_avg_sq_encode(block.sq_largest, block.sq_finite,
-                                                &shard->exp_avg_sq_scale[index]);
+    float encode = rlhfz_q_encode(block.largest, block.finite, &shard->exp_avg_scale[index]);
+    float sq_encode =
+        rlhfz_q_encode(block.sq_largest, block.sq_finite, &shard->exp_avg_sq_scale[index]);
     for (size_t i = begin; i < end; i++) {
         /* a block that is not finite keeps all-zero codes under its NaN scale */
         float m = block.finite ? block.moments[i - begin] : 0.0f;

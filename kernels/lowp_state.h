@@ -113,27 +113,20 @@ static inline RLHFZ_HOST_DEVICE uint16_t rlhfz_bf16_round(float x, rlhfz_roundin
 #define RLHFZ_Q_EXP_AVG_MAX 127.0f      /* signed codes: -127 .. 127 */
 #define RLHFZ_Q_EXP_AVG_SQ_MAX 255.0f   /* unsigned codes: 0 .. 255 */
 
-/* The per-block factors that decode a code: exp_avg = q * |q| * decode,
- * and sqrt(exp_avg_sq) = q * q * decode. */
-static inline RLHFZ_HOST_DEVICE float rlhfz_q_exp_avg_decode(float scale)
-{
-    return rlhfz_mul_rn(scale, 1.0f / (127.0f * 127.0f));
-}
-
-static inline RLHFZ_HOST_DEVICE float rlhfz_q_exp_avg_sq_decode(float scale)
-{
-    return rlhfz_mul_rn(rlhfz_sqrt_rn(scale), 1.0f / (255.0f * 255.0f));
-}
-
-static inline RLHFZ_HOST_DEVICE float rlhfz_q_exp_avg_value(int8_t q, float decode)
+/* Decoding: exp_avg = (q * |q| / 127^2) * scale, and sqrt(exp_avg_sq) =
+ * (q * q / 255^2) * scale. The fraction first: the top code's is exactly 1
+ * (127^2 times the float nearest 1 / 127^2 rounds to 1, as for 255^2), so
+ * the block's largest value decodes to its scale exactly, and decoding then
+ * encoding again gives back every code and scale. */
+static inline RLHFZ_HOST_DEVICE float rlhfz_q_exp_avg_value(int8_t q, float scale)
 {
     int magnitude = q < 0 ? -q : q;
-    return rlhfz_mul_rn((float)(q * magnitude), decode);
+    return rlhfz_mul_rn(rlhfz_mul_rn((float)(q * magnitude), 1.0f / (127.0f * 127.0f)), scale);
 }
 
-static inline RLHFZ_HOST_DEVICE float rlhfz_q_exp_avg_sq_root(uint8_t q, float decode)
+static inline RLHFZ_HOST_DEVICE float rlhfz_q_exp_avg_sq_root(uint8_t q, float scale)
 {
-    return rlhfz_mul_rn((float)(q * q), decode);
+    return rlhfz_mul_rn(rlhfz_mul_rn((float)(q * q), 1.0f / (255.0f * 255.0f)), scale);
 }
 
 /* The code of a position x in [0, top] of a map's square-root axis: nearest
@@ -146,22 +139,14 @@ static inline RLHFZ_HOST_DEVICE int rlhfz_q_code(float x, float top, rlhfz_round
     return (int)(code < top ? code : top);
 }
 
-/* A block's scales and the factors that encode it. exp_avg's scale is its
- * largest magnitude and exp_avg_sq's its largest value; 0 for an all-zero
+/* A block's scale and the factor that encodes it, for either moment: the
+ * largest |exp_avg|, or the largest sqrt(exp_avg_sq); 0 for an all-zero
  * block. A block that is not finite gets scale NaN and its codes are all 0
  * (the caller writes them without encoding). */
-static inline RLHFZ_HOST_DEVICE float rlhfz_q_exp_avg_encode(float largest, int finite,
-                                                              float *scale)
+static inline RLHFZ_HOST_DEVICE float rlhfz_q_encode(float largest, int finite, float *scale)
 {
     *scale = finite ? largest : NAN;
     return finite && largest > 0.0f ? rlhfz_div_rn(1.0f, largest) : 0.0f;
-}
-
-static inline RLHFZ_HOST_DEVICE float rlhfz_q_exp_avg_sq_encode(float largest, int finite,
-                                                                 float *scale)
-{
-    *scale = finite ? largest : NAN;
-    return finite && largest > 0.0f ? rlhfz_div_rn(1.0f, rlhfz_sqrt_rn(largest)) : 0.0f;
 }
 
 /* exp_avg's code: the square-root axis of |m| / scale, signed. */
@@ -174,7 +159,7 @@ static inline RLHFZ_HOST_DEVICE int8_t rlhfz_q_exp_avg_code(float m, float encod
 }
 
 /* exp_avg_sq's code, from its square root r (the step computes r anyway):
- * the square-root axis of r / sqrt(scale). encode is 1 / sqrt(scale). */
+ * the square-root axis of r / scale. */
 static inline RLHFZ_HOST_DEVICE uint8_t rlhfz_q_exp_avg_sq_code(float root, float encode,
                                                                 rlhfz_rounding rounding, float u)
 {

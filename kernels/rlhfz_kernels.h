@@ -115,9 +115,9 @@ typedef enum {
  *   exp_avg:    int8 q in [-127, 127], value = q * |q| / 127^2 * scale, where
  *               scale is the block's largest |exp_avg|: a signed square map,
  *               fine near zero where moments crowd.
- *   exp_avg_sq: uint8 q in [0, 255], value = (q^2 / 255^2)^2 * scale, where
- *               scale is the block's largest exp_avg_sq: its square root, the
- *               step's denominator, is square-spaced like exp_avg.
+ *   exp_avg_sq: uint8 q in [0, 255], sqrt(value) = q^2 / 255^2 * scale,
+ *               where scale is the block's largest sqrt(exp_avg_sq): the
+ *               step's denominator is square-spaced like exp_avg.
  * A block whose moment is all zero has scale 0; one that holds an Inf or NaN
  * has scale NaN and codes 0, so the whole block reads NaN. */
 typedef enum {

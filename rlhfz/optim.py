@@ -303,7 +303,6 @@ class ZeroAdamW(Optimizer):
         check_params(tensors, self.device, self.param_groups)
         options = {**self.defaults, **{k: v for k, v in group.items() if k != "params"}}
         check_group(options)
-        self._check_storage_supported(options)
         if self.sharding is not None:
             self.sharding.check_trainable(tensors)
             self.sharding.take(tensors)       # whole again, out of the frozen buckets
@@ -330,18 +329,6 @@ class ZeroAdamW(Optimizer):
         if units:
             self.stage3.add_units(units)
 
-    def _check_storage_supported(self, options: dict) -> None:
-        """Low-precision moments where this version of rlhfz keeps them:
-        host-resident buckets, without offload="cpu"."""
-        state_dtype = options["state_dtype"]
-        if state_dtype == "fp32":
-            return
-        where = ("with offload='cpu'" if self.offload_target == "cpu" else
-                 f"for params on {self.device}" if self.backend.tier == "device" else None)
-        if where is not None:
-            raise ValueError(f"state_dtype={state_dtype!r} is not supported {where} yet; "
-                             f"use state_dtype='fp32' there")
-
     def _reform(self, storage: list[tuple]) -> None:
         """A state dict that keeps its moments in another form (state_dtype,
         min_8bit_size): the buckets are built anew in that form, in one
@@ -358,8 +345,6 @@ class ZeroAdamW(Optimizer):
                 f"one process at stages 0-2, not {where}: build the optimizer with the "
                 f"state dict's state_dtype, or set its param_groups' state_dtype to this "
                 f"optimizer's before loading")
-        for (state_dtype, _), group in zip(storage, self.param_groups):
-            self._check_storage_supported({**group, "state_dtype": state_dtype})
         self.synchronize()
         self._rebuild(self.backend, self.device, storage)
 

@@ -14,16 +14,17 @@ def full_batch(steps=STEPS, seed=3):
             for _ in range(steps)]
 
 
-def train_same_batch(rank, world_size, stage, state_dtype, dtype=torch.float32):
+def train_same_batch(rank, world_size, stage, state_dtype, offload_ratio=None):
     """Every rank takes the whole batch: the averaged grads are then the
     single process's exactly (at power-of-two world sizes), so what the
     moments' storage does is all that could differ."""
-    model = make_model().to(dtype)
+    model = make_model()
+    offload = {} if offload_ratio is None else {"offload": "cpu", "offload_ratio": offload_ratio}
     opt = rlhfz.ZeroAdamW(model if stage == 3 else model.parameters(), lr=1e-2, stage=stage,
-                          state_dtype=state_dtype, param_persistence_threshold=0)
+                          state_dtype=state_dtype, param_persistence_threshold=0, **offload)
     for x, y in full_batch():
         opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y).backward()
+        torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
     state = opt.state_dict()
     with rlhfz.gather_for_generation(model) if stage == 3 else _nothing():

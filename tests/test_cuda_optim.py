@@ -123,6 +123,39 @@ def test_buckets_and_state_live_on_the_device():
     assert opt.state[half]["master_param"].dtype == torch.float32
 
 
+@pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
+def test_low_precision_moments_step_on_the_device_as_on_the_cpu(state_dtype, monkeypatch):
+    """The same grads, stepped by the CUDA kernels and by the CPU ones: the
+    same params and the same stored moments, bit for bit."""
+    net, _ = _nets()
+    ref = copy.deepcopy(net).cpu()
+    opt = rlhfz.ZeroAdamW(_groups(net), lr=1e-2, state_dtype=state_dtype, min_8bit_size=1000)
+    if SIMULATED:
+        monkeypatch.delenv("RLHFZ_SIM_DEVICE")
+    ref_opt = rlhfz.ZeroAdamW(_groups(ref), lr=1e-2, state_dtype=state_dtype,
+                              min_8bit_size=1000)
+    assert all(b.backend.tier == "host" for b in ref_opt.engine.buckets)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        for p, q in zip(net.parameters(), ref.parameters()):
+            grad = torch.randn(p.shape, generator=gen) * 1e-2
+            p.grad, q.grad = grad.to(DEVICE), grad.clone()
+        opt.step()
+        ref_opt.step()
+    for p, q in zip(net.parameters(), ref.parameters()):
+        assert torch.equal(p.detach().cpu(), q.detach())
+        ours, theirs = opt.state[p], ref_opt.state[q]
+        assert set(ours) == set(theirs)
+        for name, value in ours.items():
+            if name != "step":
+                assert on_device(value), name
+            assert torch.equal(value.cpu().view(torch.uint8) if value.dtype == torch.bfloat16
+                               else value.cpu(), theirs[name].view(torch.uint8)
+                               if value.dtype == torch.bfloat16 else theirs[name]), name
+    assert opt.state[net.body[0].weight]["exp_avg"].dtype == (
+        torch.int8 if state_dtype == "int8" else torch.bfloat16)
+
+
 @needs_real_gpu
 def test_params_on_two_devices_are_refused():
     with pytest.raises(ValueError, match="one device"):

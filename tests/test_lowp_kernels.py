@@ -77,13 +77,16 @@ def _code(x, top, rounding, u):
 
 
 def int8_decode(codes, sq_codes, scales, sq_scales, n):
-    """float64 moments from codes: q|q|/127^2 * scale, ((q/255)^2)^2 * scale."""
+    """The moments that codes stand for, (q|q| / 127^2) * scale and
+    ((q^2 / 255^2) * scale)^2, each operation rounded to fp32 as the format
+    defines them (as float64 arrays)."""
+    f32 = np.float32
     block = np.arange(n) // QBLOCK
-    q = codes.astype(np.float64)
-    m = q * np.abs(q) / 127.0 ** 2 * scales.astype(np.float64)[block]
-    root = sq_codes.astype(np.float64) ** 2 / 255.0 ** 2 * np.sqrt(
-        sq_scales.astype(np.float64))[block]
-    return m, root * root
+    q = codes.astype(np.int32)
+    m = (q * np.abs(q)).astype(f32) * (f32(1) / f32(127 * 127)) * scales.astype(f32)[block]
+    r = sq_codes.astype(np.int32)
+    root = (r * r).astype(f32) * (f32(1) / f32(255 * 255)) * sq_scales.astype(f32)[block]
+    return m.astype(np.float64), (root * root).astype(np.float64)
 
 
 def int8_encode(m, v, rounding, random):
@@ -109,9 +112,9 @@ def int8_encode(m, v, rounding, random):
         if not np.all(np.isfinite(vb)):
             sq_scales[b] = np.nan
         else:
-            sq_scales[b] = vb.max()
+            sq_scales[b] = np.sqrt(vb).max()
             if sq_scales[b] > 0:
-                x = np.sqrt(np.sqrt(vb) / math.sqrt(float(sq_scales[b]))) * 255.0
+                x = np.sqrt(np.sqrt(vb) / float(sq_scales[b])) * 255.0
                 sq_codes[s] = _code(x, 255.0, rounding, u_v[s]).astype(np.uint8)
     return codes, sq_codes, scales, sq_scales
 
@@ -228,8 +231,7 @@ def test_lowp_step_matches_float64_reference(n, seed, state_dtype, rounding, gra
     m, v = state.moments()
     block = np.arange(n) // QBLOCK
     # a code off by one on the square-root axis t moves the value by (2t + 1) steps
-    scale, sq_root = scales[block].astype(np.float64), np.sqrt(sq_scales[block].astype(
-        np.float64))
+    scale, sq_root = scales[block].astype(np.float64), sq_scales[block].astype(np.float64)
     assert np.all(np.abs(m - want_m) <= 2.01 * np.sqrt(np.abs(want_m) * scale) / 127
                   + 1.01 * scale / 127 ** 2 + 1e-12)
     root = np.sqrt(want_v)

@@ -169,9 +169,10 @@ class CudaBackend:
         return _C.Buffer(nbytes, tier="device", device=self.index, zero=zero)
 
     def adamw_step(self, views, lowp: dict | None, step: int, hparams: dict) -> None:
-        if lowp is not None:
-            raise NotImplementedError("low-precision moments on a CUDA device")
-        _C.cuda_adamw_step(*views, step=step, stream=self.stream(), **hparams)
+        if lowp is None:
+            _C.cuda_adamw_step(*views, step=step, stream=self.stream(), **hparams)
+        else:
+            _C.cuda_adamw_step_lowp(*views, step=step, stream=self.stream(), **lowp, **hparams)
 
     def sumsq(self, views) -> float:
         """Sum of squares over every view, in double: one launch per view

@@ -75,10 +75,9 @@ def decode(name: str, state_dtype: str, stored: torch.Tensor,
     q = stored.to(torch.int32)
     n = q.numel()
     if name == "exp_avg":
-        factor = scales.float() * _f32(1.0 / (127.0 * 127.0))
-        return (q * q.abs()).float() * _per_element(factor, n)
-    factor = scales.float().sqrt() * _f32(1.0 / (255.0 * 255.0))
-    root = (q * q).float() * _per_element(factor, n)
+        fraction = (q * q.abs()).float() * _f32(1.0 / (127.0 * 127.0))
+        return fraction * _per_element(scales.float(), n)
+    root = (q * q).float() * _f32(1.0 / (255.0 * 255.0)) * _per_element(scales.float(), n)
     return root * root
 
 
@@ -96,17 +95,14 @@ def encode(name: str, state_dtype: str, values: torch.Tensor, stored: torch.Tens
     padded[:n] = values
     rows = padded.view(blocks, QBLOCK)
     finite = rows.isfinite().all(dim=1)
-    magnitude = rows.abs() if name == "exp_avg" else rows
+    # exp_avg's scale is its block's largest |value|, exp_avg_sq's its largest root
+    magnitude = rows.abs() if name == "exp_avg" else rows.sqrt()
     largest = torch.where(finite, magnitude.amax(dim=1), torch.zeros(()))
     scale = torch.where(finite, largest, torch.full((), float("nan")))
     positive = finite & (largest > 0)
     safe = torch.where(positive, largest, torch.ones(()))
-    if name == "exp_avg":
-        encoder = torch.where(positive, 1.0 / safe, torch.zeros(()))
-        x = (magnitude * encoder[:, None]).sqrt() * _f32(_TOP[name])
-    else:
-        encoder = torch.where(positive, 1.0 / safe.sqrt(), torch.zeros(()))
-        x = (rows.sqrt() * encoder[:, None]).sqrt() * _f32(_TOP[name])
+    encoder = torch.where(positive, 1.0 / safe, torch.zeros(()))
+    x = (magnitude * encoder[:, None]).sqrt() * _f32(_TOP[name])
     codes = torch.minimum(torch.round(x), _f32(_TOP[name]))
     codes = torch.where(finite[:, None], codes, torch.zeros(()))
     if name == "exp_avg":
