@@ -20,7 +20,10 @@ import torch
 import rlhfz
 from cpu_timing import fresh_grads, interleaved_best
 
-PARAMS, TENSORS, ROUNDS, THREADS = 50_000_000, 8, 10, 2
+TENSORS, ROUNDS, THREADS = 8, 10, 2
+# 50M params in tensors of whole 256-element blocks: torchao quantizes only
+# tensors whose size its block divides (others keep fp32 moments)
+PARAMS = TENSORS * (50_000_000 // TENSORS // 256 * 256)
 SLOW_ROUNDS = 3             # for a peer many times slower than the rest
 
 
@@ -39,8 +42,10 @@ def _moment_bytes(opt) -> int:
         for name, value in state.items():
             if name == "step" or not isinstance(value, torch.Tensor):
                 continue
-            inner = [getattr(value, attr) for attr in ("codes", "scale", "qmap")
-                     if isinstance(getattr(value, attr, None), torch.Tensor)]
+            # a tensor subclass (torchao's) reports its inner tensors by name
+            names = (value.__tensor_flatten__()[0] if hasattr(value, "__tensor_flatten__")
+                     else [])
+            inner = [getattr(value, attr) for attr in names]
             total += sum(t.nbytes for t in inner) if inner else value.nbytes
     return total
 

@@ -48,7 +48,8 @@ def corpus(tokens=200_000, seed=1234):
 def tiny_gpt2(seed):
     torch.manual_seed(seed)
     config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=128, n_layer=2,
-                                     n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                                     n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                     bos_token_id=0, eos_token_id=0)
     return transformers.GPT2LMHeadModel(config)
 
 
@@ -66,7 +67,10 @@ def train(data, lr, seed, state_dtype):
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    return losses
+    # the moments really are kept in state_dtype: their bytes per param
+    report = opt.memory_report()
+    moments = sum(sum(report[k].values()) for k in ("exp_avg", "exp_avg_sq"))
+    return losses, moments / sum(p.numel() for p in model.parameters())
 
 
 def _plot(runs, path):
@@ -95,13 +99,13 @@ def _plot(runs, path):
 def test_low_precision_moments_converge_as_fp32_does():
     torch.set_num_threads(2)
     data = corpus()
-    runs, tails, seconds = {}, {}, {}
+    runs, tails, seconds, moment_bytes = {}, {}, {}, {}
     for lr in LRS:
         for seed in SEEDS:
             for state_dtype in ("fp32", "bf16", "int8"):
                 key = f"{state_dtype}/{lr:g}/{seed}"
                 start = time.perf_counter()
-                runs[key] = train(data, lr, seed, state_dtype)
+                runs[key], moment_bytes[state_dtype] = train(data, lr, seed, state_dtype)
                 seconds[key] = round(time.perf_counter() - start, 1)
                 tails[key] = sum(runs[key][-TAIL:]) / TAIL
     gaps = {}
@@ -111,7 +115,8 @@ def test_low_precision_moments_converge_as_fp32_does():
             gaps[key] = (tail - tails[f"fp32/{lr}/{seed}"]) / tails[f"fp32/{lr}/{seed}"]
     with open(os.path.join(HERE, "state_dtype_convergence.json"), "w") as f:
         json.dump({"steps": STEPS, "tail": TAIL, "tail_loss": tails, "relative_gap": gaps,
-                   "seconds": seconds, "torch": torch.__version__}, f, indent=1)
+                   "seconds": seconds, "moment_bytes_per_param": moment_bytes,
+                   "torch": torch.__version__}, f, indent=1)
     _plot(runs, os.path.join(HERE, "state_dtype_convergence.png"))
     for key, gap in gaps.items():
         print(f"{key}: last-{TAIL} mean {tails[key]:.4f}, {100 * gap:+.2f}% against fp32")
