@@ -212,10 +212,7 @@ class ZeroAdamW(Optimizer):
         target = self.engine.moved_to()
         if target is None:
             return
-        where = ("across processes" if self.comm is not None else
-                 "at stage 3" if self.stage == 3 else
-                 "while state is offloaded (call reload() first)" if self.engine.offloaded
-                 else None)
+        where = self._cannot_rebuild()
         if where is not None:
             raise RuntimeError(
                 f"the params were moved to {target} after the optimizer was built "
@@ -229,6 +226,14 @@ class ZeroAdamW(Optimizer):
         self._rebuild(backend_for(target), target, self._built_storage)
         index_to_param = translate.check_state_dict(self.engine, self.param_groups, moved)
         translate.load_checked(self.engine, self.param_groups, moved, index_to_param)
+
+    def _cannot_rebuild(self) -> str | None:
+        """Why the buckets cannot be built anew here (None: they can). They
+        can in one process at stages 0-2, with nothing offloaded."""
+        return ("across processes" if self.comm is not None else
+                "at stage 3" if self.stage == 3 else
+                "while state is offloaded (call reload() first)" if self.engine.offloaded
+                else None)
 
     def _rebuild(self, backend, device, storage: list[tuple]) -> None:
         """New buckets for every group, on `backend`, each group's moments
@@ -334,10 +339,7 @@ class ZeroAdamW(Optimizer):
         min_8bit_size): the buckets are built anew in that form, in one
         process at stages 0-2; elsewhere this refuses, before anything
         changes."""
-        where = ("across processes" if self.comm is not None else
-                 "at stage 3" if self.stage == 3 else
-                 "while state is offloaded (call reload() first)" if self.engine.offloaded
-                 else None)
+        where = self._cannot_rebuild()
         if where is not None:
             raise ValueError(
                 f"the state dict keeps its moments as (state_dtype, min_8bit_size) "

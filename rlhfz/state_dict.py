@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .optim_options import check_group
+from .optim_options import check_group, group_storage
 
 SHARDED_FORMAT = "rlhfz.sharded_optimizer_state.v1"
 
@@ -197,12 +197,9 @@ def check_state_entry(key, entry, shape: tuple) -> None:
 def storage_after_load(param_groups, state_dict) -> list[tuple]:
     """Each group's (state_dtype, min_8bit_size) once the dict is loaded:
     the dict's where it names them (a dict from torch names none)."""
-    storage = []
-    for group, saved in zip(param_groups, state_dict["param_groups"]):
-        merged = {**group, **{k: saved[k] for k in ("state_dtype", "min_8bit_size")
-                              if k in saved}}
-        storage.append((merged["state_dtype"], merged["min_8bit_size"]))
-    return storage
+    return [group_storage({**group, **{k: saved[k] for k in ("state_dtype", "min_8bit_size")
+                                       if k in saved}})
+            for group, saved in zip(param_groups, state_dict["param_groups"])]
 
 
 def load_checked(engine, param_groups, state_dict, index_to_param) -> None:

@@ -60,7 +60,8 @@ class Bucket:
         f32 = "float32"
         stored = {name: DTYPE_NAMES.get(dtype) or str(dtype).removeprefix("torch.")
                   for name, dtype in moments.STORED[state_dtype].items()}
-        blocks = -(-split // moments.QBLOCK), -(-host // moments.QBLOCK)
+        blocks = (moments.region_numel("exp_avg_scale", split),
+                  moments.region_numel("exp_avg_scale", host))
         int8 = state_dtype == "int8"
         sizes = {
             "param": ((shard if sharded_params else n), self.dtype_name),
@@ -469,6 +470,9 @@ class Bucket:
                  "seed": (self.group_index * 65537 + self.index) & 0xFFFFFFFF,
                  "index_base": self.shard.start + shard_lo}
         if self.state_dtype == "int8":
+            if not prefix and lo == 0 and hi == self.shard.split:
+                extra.update(self.scale_kviews)         # the whole part: made once
+                return extra
             a, b = self.shard.blocks(lo, hi, moments.QBLOCK)
             for name in SCALES.values():
                 extra[name] = self.storage.view(prefix + name, a, b - a)

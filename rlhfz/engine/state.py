@@ -130,7 +130,8 @@ class ShardState:
         stored = torch.empty(b - a, dtype=moments.STORED[self.state_dtype][name])
         scales = None
         if self.state_dtype == "int8":
-            scales = torch.empty(-(-(b - a) // moments.QBLOCK), dtype=torch.float32)
+            scales = torch.empty(moments.region_numel(SCALES[name], b - a),
+                                 dtype=torch.float32)
         moments.encode(name, self.state_dtype, values, stored, scales)
         self.write_stored(name, index, stored)
         if scales is not None:
