@@ -32,6 +32,24 @@ SIMD_INLINE simd_f32 simd_mul(simd_f32 a, simd_f32 b) { return _mm256_mul_ps(a, 
 SIMD_INLINE simd_f32 simd_div(simd_f32 a, simd_f32 b) { return _mm256_div_ps(a, b); }
 SIMD_INLINE simd_f32 simd_sqrt(simd_f32 a) { return _mm256_sqrt_ps(a); }
 SIMD_INLINE void simd_sfence(void) { _mm_sfence(); }
+SIMD_INLINE simd_f32 simd_fmadd(simd_f32 a, simd_f32 b, simd_f32 c)
+{
+    return _mm256_fmadd_ps(a, b, c);
+}
+SIMD_INLINE simd_f32 simd_fnmadd(simd_f32 a, simd_f32 b, simd_f32 c)
+{
+    return _mm256_fnmadd_ps(a, b, c);
+}
+/* estimates good to 1.5 * 2^-12 relative */
+SIMD_INLINE simd_f32 simd_rsqrt_est(simd_f32 a) { return _mm256_rsqrt_ps(a); }
+SIMD_INLINE simd_f32 simd_rcp_est(simd_f32 a) { return _mm256_rcp_ps(a); }
+/* 1 / sqrt(a) to ~2^-21 for finite a > 0: the estimate and one Newton step */
+SIMD_INLINE simd_f32 simd_rsqrt_fine(simd_f32 a)
+{
+    __m256 r = _mm256_rsqrt_ps(a);
+    __m256 half_a_r = _mm256_mul_ps(_mm256_mul_ps(a, _mm256_set1_ps(0.5f)), r);
+    return _mm256_mul_ps(r, _mm256_fnmadd_ps(half_a_r, r, _mm256_set1_ps(1.5f)));
+}
 
 SIMD_INLINE simd_half simd_half_loadu(const uint16_t *x)
 {
@@ -102,7 +120,13 @@ SIMD_INLINE simd_i32 simd_i32_lanes(uint32_t base)
 {
     return _mm256_add_epi32(_mm256_set1_epi32((int)base), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
+SIMD_INLINE simd_i32 simd_i32_loadu(const uint32_t *x)
+{
+    return _mm256_loadu_si256((const __m256i *)x);
+}
 SIMD_INLINE simd_i32 simd_i32_xor(simd_i32 a, simd_i32 b) { return _mm256_xor_si256(a, b); }
+SIMD_INLINE simd_i32 simd_i32_add(simd_i32 a, simd_i32 b) { return _mm256_add_epi32(a, b); }
+SIMD_INLINE simd_i32 simd_i32_min(simd_i32 a, simd_i32 b) { return _mm256_min_epi32(a, b); }
 SIMD_INLINE simd_i32 simd_i32_and(simd_i32 a, simd_i32 b) { return _mm256_and_si256(a, b); }
 SIMD_INLINE simd_i32 simd_i32_mul(simd_i32 a, simd_i32 b) { return _mm256_mullo_epi32(a, b); }
 SIMD_INLINE simd_i32 simd_i32_shr15(simd_i32 a) { return _mm256_srli_epi32(a, 15); }

@@ -33,6 +33,19 @@ SIMD_INLINE simd_f32 simd_mul(simd_f32 a, simd_f32 b) { return _mm512_mul_ps(a, 
 SIMD_INLINE simd_f32 simd_div(simd_f32 a, simd_f32 b) { return _mm512_div_ps(a, b); }
 SIMD_INLINE simd_f32 simd_sqrt(simd_f32 a) { return _mm512_sqrt_ps(a); }
 SIMD_INLINE void simd_sfence(void) { _mm_sfence(); }
+SIMD_INLINE simd_f32 simd_fmadd(simd_f32 a, simd_f32 b, simd_f32 c)
+{
+    return _mm512_fmadd_ps(a, b, c);
+}
+SIMD_INLINE simd_f32 simd_fnmadd(simd_f32 a, simd_f32 b, simd_f32 c)
+{
+    return _mm512_fnmadd_ps(a, b, c);
+}
+/* estimates good to 2^-14 relative */
+SIMD_INLINE simd_f32 simd_rsqrt_est(simd_f32 a) { return _mm512_rsqrt14_ps(a); }
+SIMD_INLINE simd_f32 simd_rcp_est(simd_f32 a) { return _mm512_rcp14_ps(a); }
+/* 1 / sqrt(a) for the int8 codes, for finite a > 0: the estimate suffices */
+SIMD_INLINE simd_f32 simd_rsqrt_fine(simd_f32 a) { return _mm512_rsqrt14_ps(a); }
 
 SIMD_INLINE simd_half simd_half_loadu(const uint16_t *x)
 {
@@ -108,7 +121,10 @@ SIMD_INLINE simd_i32 simd_i32_lanes(uint32_t base)
                             _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
                                               14, 15));
 }
+SIMD_INLINE simd_i32 simd_i32_loadu(const uint32_t *x) { return _mm512_loadu_si512(x); }
 SIMD_INLINE simd_i32 simd_i32_xor(simd_i32 a, simd_i32 b) { return _mm512_xor_si512(a, b); }
+SIMD_INLINE simd_i32 simd_i32_add(simd_i32 a, simd_i32 b) { return _mm512_add_epi32(a, b); }
+SIMD_INLINE simd_i32 simd_i32_min(simd_i32 a, simd_i32 b) { return _mm512_min_epi32(a, b); }
 SIMD_INLINE simd_i32 simd_i32_and(simd_i32 a, simd_i32 b) { return _mm512_and_si512(a, b); }
 SIMD_INLINE simd_i32 simd_i32_mul(simd_i32 a, simd_i32 b) { return _mm512_mullo_epi32(a, b); }
 SIMD_INLINE simd_i32 simd_i32_shr15(simd_i32 a) { return _mm512_srli_epi32(a, 15); }
@@ -126,13 +142,13 @@ SIMD_INLINE simd_f32 simd_min(simd_f32 a, simd_f32 b) { return _mm512_min_ps(a, 
 /* W exp_avg codes as q * |q|, and W exp_avg_sq codes as q * q (exact in fp32) */
 SIMD_INLINE simd_f32 simd_q_signed_square_load(const int8_t *x)
 {
-    __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)x));
-    return _mm512_cvtepi32_ps(_mm512_mullo_epi32(q, _mm512_abs_epi32(q)));
+    __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)x)));
+    return _mm512_mul_ps(q, _mm512_abs_ps(q));
 }
 SIMD_INLINE simd_f32 simd_q_square_load(const uint8_t *x)
 {
-    __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)x));
-    return _mm512_cvtepi32_ps(_mm512_mullo_epi32(q, q));
+    __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)x)));
+    return _mm512_mul_ps(q, q);
 }
 /* W codes, |q| <= 127, negated where sign_of has its sign bit set */
 SIMD_INLINE void simd_q_signed_store(int8_t *x, simd_i32 q, simd_f32 sign_of)

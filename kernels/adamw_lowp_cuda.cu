@@ -190,11 +190,9 @@ rlhfz_adamw_lowp_int8_kernel(float *master, int8_t *exp_avg, uint8_t *exp_avg_sq
         /* encode against them; a block that is not finite gets all-zero codes */
         if (live) {
             uint32_t random = lowp_random(r, i);
-            exp_avg[i] = finite ? rlhfz_q_exp_avg_code(m, encode, r.rounding,
-                                                       rlhfz_unit16(random >> 16))
-                                : 0;
+            exp_avg[i] = finite ? rlhfz_q_exp_avg_code(m, encode, r.rounding, random >> 16) : 0;
             exp_avg_sq[i] = sq_finite ? rlhfz_q_exp_avg_sq_code(root, sq_encode, r.rounding,
-                                                                rlhfz_unit16(random & 0xFFFFu))
+                                                                random & 0xFFFFu)
                                       : 0;
         }
     }

@@ -93,12 +93,11 @@ static void int8_reference(const rlhfz_adamw_lowp_shard *shard, const rlhfz_adam
         for (size_t k = 0; k < count; k++) {
             size_t i = begin + k;
             uint32_t random = random_bits(shard, i);
-            codes[i] = finite ? rlhfz_q_exp_avg_code(m[k], encode, shard->rounding,
-                                                     rlhfz_unit16(random >> 16))
-                              : 0;
+            codes[i] =
+                finite ? rlhfz_q_exp_avg_code(m[k], encode, shard->rounding, random >> 16) : 0;
             sq_codes[i] = sq_finite ? rlhfz_q_exp_avg_sq_code(root[k], sq_encode,
                                                               shard->rounding,
-                                                              rlhfz_unit16(random & 0xFFFFu))
+                                                              random & 0xFFFFu)
                                     : 0;
         }
     }

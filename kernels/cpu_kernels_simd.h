@@ -56,32 +56,6 @@ void rlhfz_lowp_bf16_chunk_avx512(const rlhfz_adamw_lowp_shard *shard,
 void rlhfz_lowp_int8_chunk_avx512(const rlhfz_adamw_lowp_shard *shard,
                                   const rlhfz_adamw_consts *c, size_t begin, size_t end);
 
-/* One int8 block on its way through a step: the scales its codes were
- * encoded against, its new moments (exp_avg, and sqrt(exp_avg_sq)), and the
- * running largest magnitude of each over the finite values, with whether
- * all were finite. */
-typedef struct {
-    float scale, sq_scale;
-    float moments[RLHFZ_QBLOCK], roots[RLHFZ_QBLOCK];
-    float largest, sq_largest;
-    int finite, sq_finite;
-} rlhfz_q_block;
-
-/* Steps elements [from, end) of the block that starts at begin, into block. */
-void rlhfz_lowp_int8_step_scalar(const rlhfz_adamw_lowp_shard *shard,
-                                 const rlhfz_adamw_consts *c, size_t begin, size_t from,
-                                 size_t end, rlhfz_q_block *block);
-
-/* The scalar pieces the SIMD levels finish a block with: one element's step
- * over decoded moments (m and v in and out; returns sqrt(v)), and one
- * element's int8 codes. */
-float rlhfz_lowp_element_scalar(const rlhfz_adamw_lowp_shard *shard,
-                                const rlhfz_adamw_consts *c, size_t i, float *exp_avg,
-                                float *exp_avg_sq);
-void rlhfz_lowp_int8_encode_scalar(const rlhfz_adamw_lowp_shard *shard, size_t i,
-                                   float exp_avg, float exp_avg_root, float exp_avg_encode,
-                                   float exp_avg_sq_encode);
-
 /* ---- scalar (cpu_chunks_scalar.c) ---- */
 void rlhfz_adamw_chunk_scalar(const rlhfz_adamw_shard *shard, const rlhfz_adamw_consts *c,
                               size_t begin, size_t end);

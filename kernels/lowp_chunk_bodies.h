@@ -2,14 +2,27 @@
  * level's SIMD layer (internal).
  *
  * Included by a level's source file after simd_chunk_bodies.h (whose layer,
- * adamw_vconsts and load/store helpers it uses); it defines that level's
- * rlhfz_lowp_<dtype>_chunk_<level> functions. Each lane repeats
- * lowp_chunks_scalar.c operation for operation, and the tails call it, so
- * every level gives the same bits. The layer adds integer lanes:
+ * load/store helpers it uses); it defines that level's
+ * rlhfz_lowp_<dtype>_chunk_<level> functions.
+ *
+ * The moments are updated with the reference's fp32 operations, so a level
+ * gets the reference's bf16 moments bit for bit. Square roots and
+ * divisions are the reciprocal estimates of the layer: on 2 cores a divider
+ * per element (and two more square roots per int8 element) cost more than
+ * the bytes saved. The master and the int8 codes therefore differ from the
+ * reference in the last bits (a code by one where its position sits within
+ * ~1e-3 of a cut). Every element, tails included, takes the vector path, so
+ * a level gives the same bits wherever a shard part starts.
+ *
+ * The layer adds to simd_chunk_bodies.h's:
+ *   simd_fmadd(a, b, c) a * b + c, simd_fnmadd(a, b, c) c - a * b (fused)
+ *   simd_rsqrt_est, simd_rcp_est   1 / sqrt(x), 1 / x to ~2^-11 relative or better
+ *   simd_rsqrt_fine          1 / sqrt(x) to ~2^-14 or better, for finite x > 0
  *   simd_i32                 W 32-bit integers
  *   simd_i32_set1, simd_i32_lanes(base)      a constant; base, base + 1, ...
- *   simd_i32_xor, simd_i32_and, simd_i32_mul (low 32 bits), simd_i32_shr15/16
- *   simd_i32_to_f32, simd_f32_to_i32_nearest (ties to even), simd_f32_to_i32_trunc
+ *   simd_i32_loadu, simd_i32_xor, simd_i32_and, simd_i32_add, simd_i32_min (signed),
+ *   simd_i32_mul (low 32 bits), simd_i32_shr15/16
+ *   simd_f32_to_i32_nearest (ties to even), simd_f32_to_i32_trunc
  *   simd_abs, simd_max, simd_min             x86's: a NaN in a yields b
  *   simd_q_signed_square_load   W int8 codes q as float(q * |q|)
  *   simd_q_square_load          W uint8 codes q as float(q * q)
@@ -20,6 +33,8 @@
 #ifndef SIMD_WIDTH
 #error "include lowp_chunk_bodies.h from a level's source file, after simd_chunk_bodies.h"
 #endif
+
+#include <string.h>
 
 #include "lowp_state.h"
 
@@ -37,85 +52,189 @@ SIMD_INLINE simd_i32 mix32_vec(simd_i32 x)
     return simd_i32_xor(x, simd_i32_shr16(x));
 }
 
-/* Whether elements [i, i + W) share the high half of their index, so one
- * index key serves them (else the scalar level takes the vector). */
-SIMD_INLINE int one_index_key(const rlhfz_adamw_lowp_shard *shard, size_t i)
-{
-    uint64_t index = shard->index_base + i;
-    return (uint32_t)index <= UINT32_MAX - (W - 1);
-}
-
-/* The random bits of elements [i, i + W), as rlhfz_round_bits. */
+/* The random bits of elements [i, i + W), as rlhfz_round_bits. Lanes whose
+ * indices cross a multiple of 2^32 each take their own index key. */
 SIMD_INLINE simd_i32 random_vec(const rlhfz_adamw_lowp_shard *shard, size_t i)
 {
     uint64_t index = shard->index_base + i;
-    uint32_t key = rlhfz_index_key(shard->rounding_key, index);
-    return mix32_vec(simd_i32_xor(simd_i32_lanes((uint32_t)index), simd_i32_set1(key)));
-}
-
-SIMD_INLINE simd_f32 unit16_vec(simd_i32 random16)
-{
-    return simd_mul(simd_i32_to_f32(random16), simd_set1(1.0f / 65536.0f));
+    if ((uint32_t)index <= UINT32_MAX - (W - 1)) {
+        uint32_t key = rlhfz_index_key(shard->rounding_key, index);
+        return mix32_vec(simd_i32_xor(simd_i32_lanes((uint32_t)index), simd_i32_set1(key)));
+    }
+    uint32_t lanes[W];
+    for (int j = 0; j < W; j++)
+        lanes[j] = rlhfz_round_bits(rlhfz_index_key(shard->rounding_key, index + j), index + j);
+    return simd_i32_loadu(lanes);
 }
 
 /* ---- the step over decoded moments ---------------------------------------- */
 
-/* One vector of rlhfz_lowp_element_scalar: m and v in and out; returns sqrt(v). */
-SIMD_INLINE simd_f32 lowp_step_vec(const rlhfz_adamw_lowp_shard *shard, const adamw_vconsts *k,
+typedef struct {
+    simd_f32 grad_scale, decay, beta1_weight, beta2, beta2_weight;
+    /* step_size / denom = r / (root_weight + eps_weight * r), r = 1 / sqrt(v):
+     * one reciprocal, and a v of 0 or Inf needs no special case */
+    simd_f32 root_weight, eps_weight;
+    simd_f32 smallest;   /* keeps a zero off the reciprocal square root */
+    int scaled;          /* grad_scale is not 1 */
+    int still;           /* lr = 0: the master only decays */
+} lowp_vconsts;
+
+SIMD_INLINE lowp_vconsts lowp_vconsts_of(const rlhfz_adamw_consts *c)
+{
+    double step = c->step_size;
+    int still = !(step > 0);
+    lowp_vconsts k = {
+        .grad_scale = simd_set1(c->grad_scale),
+        .decay = simd_set1(c->decay),
+        .beta1_weight = simd_set1(c->beta1_weight),
+        .beta2 = simd_set1(c->beta2),
+        .beta2_weight = simd_set1(c->beta2_weight),
+        .root_weight = simd_set1(still ? 1.0f : (float)(c->bias_correction2_rsqrt / step)),
+        .eps_weight = simd_set1(still ? 1.0f : (float)(c->eps / step)),
+        .smallest = simd_set1(1.17549435e-38f),
+        .scaled = c->grad_scale != 1.0f,
+        .still = still,
+    };
+    return k;
+}
+
+/* One vector of rlhfz_lowp_element_scalar: m and v in and out; returns the
+ * estimate of 1 / sqrt(v) it stepped with (of 1 / sqrt(smallest) for 0). */
+SIMD_INLINE simd_f32 lowp_step_vec(const rlhfz_adamw_lowp_shard *shard, const lowp_vconsts *k,
                                    size_t i, rlhfz_dtype grad_dtype, int out, simd_f32 *m,
                                    simd_f32 *v)
 {
-    simd_f32 g = simd_mul(load_as_f32(shard->grad, grad_dtype, i), k->grad_scale);
+    simd_f32 g = load_as_f32(shard->grad, grad_dtype, i);
+    if (k->scaled)
+        g = simd_mul(g, k->grad_scale);
 
     /* decoupled weight decay */
     simd_f32 p = simd_mul(simd_loadu(shard->master + i), k->decay);
 
-    /* update the first moment: m + (1 - beta1) * (g - m) */
+    /* the moments, as the reference rounds them */
     *m = simd_add(*m, simd_mul(k->beta1_weight, simd_sub(g, *m)));
-
-    /* update the second moment: v * beta2 + (1 - beta2) * g * g */
     *v = simd_add(simd_mul(*v, k->beta2), simd_mul(simd_mul(k->beta2_weight, g), g));
 
-    /* the bias-corrected step */
-    simd_f32 root = simd_sqrt(*v);
-    simd_f32 denom = simd_add(simd_mul(root, k->bias_correction2_rsqrt), k->eps);
-    p = simd_sub(p, simd_mul(k->step_size, simd_div(*m, denom)));
+    /* the bias-corrected step, through reciprocal estimates */
+    simd_f32 r = simd_rsqrt_est(simd_max(*v, k->smallest));
+    if (!k->still) {
+        simd_f32 step = simd_mul(r, simd_rcp_est(simd_fmadd(k->eps_weight, r, k->root_weight)));
+        p = simd_fnmadd(*m, step, p);
+    }
 
     simd_storeu(shard->master + i, p);
     if (out != OUT_NONE)
         store_from_f32(shard->param_out, (rlhfz_dtype)out, i, p);
-    return root;
+    return r;
+}
+
+/* ---- short ends, through a padded copy ------------------------------------ */
+
+static size_t dtype_bytes(rlhfz_dtype dtype)
+{
+    return dtype == RLHFZ_DTYPE_F32 ? 4 : 2;
+}
+
+/* Elements [begin, end) of a shard, at most RLHFZ_QBLOCK, copied into
+ * buffers padded with zeros to whole vectors: a view the vector loops run
+ * over from 0, with the index base (and so the random bits) of the place the
+ * elements came from. Zero grads and moments step to zero and never raise a
+ * block's largest value. */
+typedef struct {
+    rlhfz_adamw_lowp_shard view;
+    float master[RLHFZ_QBLOCK];
+    unsigned char grad[RLHFZ_QBLOCK * 4], param_out[RLHFZ_QBLOCK * 4];
+    uint16_t exp_avg[RLHFZ_QBLOCK], exp_avg_sq[RLHFZ_QBLOCK];
+    float scale, sq_scale;
+} padded_part;
+
+static size_t padded_part_of(padded_part *part, const rlhfz_adamw_lowp_shard *shard,
+                             size_t begin, size_t end, size_t state_bytes)
+{
+    size_t n = end - begin, padded = (n + W - 1) / W * W;
+    memset(part, 0, sizeof *part);
+    part->view = *shard;
+    part->view.index_base = shard->index_base + begin;
+    part->view.n = padded;
+    memcpy(part->master, shard->master + begin, n * 4);
+    part->view.master = part->master;
+    size_t grad_bytes = dtype_bytes(shard->grad_dtype);
+    memcpy(part->grad, (const unsigned char *)shard->grad + begin * grad_bytes, n * grad_bytes);
+    part->view.grad = part->grad;
+    if (shard->param_out)
+        part->view.param_out = part->param_out;
+    memcpy(part->exp_avg, (const unsigned char *)shard->exp_avg + begin * state_bytes,
+           n * state_bytes);
+    memcpy(part->exp_avg_sq, (const unsigned char *)shard->exp_avg_sq + begin * state_bytes,
+           n * state_bytes);
+    part->view.exp_avg = part->exp_avg;
+    part->view.exp_avg_sq = part->exp_avg_sq;
+    if (shard->state_dtype == RLHFZ_STATE_INT8) {
+        part->scale = shard->exp_avg_scale[begin / RLHFZ_QBLOCK];
+        part->sq_scale = shard->exp_avg_sq_scale[begin / RLHFZ_QBLOCK];
+        part->view.exp_avg_scale = &part->scale;
+        part->view.exp_avg_sq_scale = &part->sq_scale;
+    }
+    return padded;
+}
+
+static void padded_part_back(const padded_part *part, const rlhfz_adamw_lowp_shard *shard,
+                             size_t begin, size_t end, size_t state_bytes)
+{
+    size_t n = end - begin;
+    memcpy(shard->master + begin, part->master, n * 4);
+    if (shard->param_out) {
+        size_t out_bytes = dtype_bytes(shard->param_dtype);
+        memcpy((unsigned char *)shard->param_out + begin * out_bytes, part->param_out,
+               n * out_bytes);
+    }
+    memcpy((unsigned char *)shard->exp_avg + begin * state_bytes, part->exp_avg,
+           n * state_bytes);
+    memcpy((unsigned char *)shard->exp_avg_sq + begin * state_bytes, part->exp_avg_sq,
+           n * state_bytes);
+    if (shard->state_dtype == RLHFZ_STATE_INT8) {
+        shard->exp_avg_scale[begin / RLHFZ_QBLOCK] = part->scale;
+        shard->exp_avg_sq_scale[begin / RLHFZ_QBLOCK] = part->sq_scale;
+    }
 }
 
 /* ---- bf16 moments --------------------------------------------------------- */
 
-SIMD_INLINE void bf16_loop(const rlhfz_adamw_lowp_shard *shard, const rlhfz_adamw_consts *c,
-                           size_t begin, size_t end, rlhfz_dtype grad_dtype, int out)
+/* Whole vectors of [begin, end), end - begin a multiple of W. */
+SIMD_INLINE void bf16_vectors(const rlhfz_adamw_lowp_shard *shard, const lowp_vconsts *k,
+                              size_t begin, size_t end, rlhfz_dtype grad_dtype, int out)
 {
-    adamw_vconsts k = adamw_vconsts_of(c);
     uint16_t *exp_avg = shard->exp_avg, *exp_avg_sq = shard->exp_avg_sq;
     int stochastic = shard->rounding == RLHFZ_ROUND_STOCHASTIC;
-    size_t i = begin;
-    for (; i + W <= end; i += W) {
-        if (stochastic && !one_index_key(shard, i)) {
-            rlhfz_lowp_bf16_chunk_scalar(shard, c, i, i + W);
-            continue;
-        }
+    simd_i32 low16 = simd_i32_set1(0xFFFFu);
+    for (size_t i = begin; i < end; i += W) {
         simd_f32 m = simd_widen_bf16(simd_half_loadu(exp_avg + i));
         simd_f32 v = simd_widen_bf16(simd_half_loadu(exp_avg_sq + i));
-        lowp_step_vec(shard, &k, i, grad_dtype, out, &m, &v);
+        lowp_step_vec(shard, k, i, grad_dtype, out, &m, &v);
         if (stochastic) {
             simd_i32 random = random_vec(shard, i);
-            simd_half_storeu(exp_avg + i,
-                             simd_narrow_bf16_stochastic(m, simd_i32_shr16(random)));
-            simd_half_storeu(exp_avg_sq + i, simd_narrow_bf16_stochastic(
-                                                 v, simd_i32_and(random, simd_i32_set1(0xFFFFu))));
+            simd_half_storeu(exp_avg + i, simd_narrow_bf16_stochastic(m, simd_i32_shr16(random)));
+            simd_half_storeu(exp_avg_sq + i,
+                             simd_narrow_bf16_stochastic(v, simd_i32_and(random, low16)));
         } else {
             simd_half_storeu(exp_avg + i, simd_narrow_bf16(m));
             simd_half_storeu(exp_avg_sq + i, simd_narrow_bf16(v));
         }
     }
-    rlhfz_lowp_bf16_chunk_scalar(shard, c, i, end);
+}
+
+SIMD_INLINE void bf16_loop(const rlhfz_adamw_lowp_shard *shard, const rlhfz_adamw_consts *c,
+                           size_t begin, size_t end, rlhfz_dtype grad_dtype, int out)
+{
+    lowp_vconsts k = lowp_vconsts_of(c);
+    size_t whole = begin + (end - begin) / W * W;
+    bf16_vectors(shard, &k, begin, whole, grad_dtype, out);
+    if (whole == end)
+        return;
+    padded_part part;
+    size_t padded = padded_part_of(&part, shard, whole, end, 2);
+    bf16_vectors(&part.view, &k, 0, padded, grad_dtype, out);
+    padded_part_back(&part, shard, whole, end, 2);
 }
 
 /* ---- int8 moments --------------------------------------------------------- */
@@ -142,89 +261,93 @@ SIMD_INLINE int all_finite(simd_f32 sum)
     return 1;
 }
 
-/* W codes of one moment, as rlhfz_q_code. */
-SIMD_INLINE simd_i32 code_vec(simd_f32 x, float top, int stochastic, simd_i32 random16)
+/* W codes of one moment at x = top * position (position in [0, 1]):
+ * nearest, or up with probability of the distance from 16 random bits, as
+ * rlhfz_q_code. For stochastic rounding x is in 1/65536ths. */
+SIMD_INLINE simd_i32 code_vec(simd_f32 x, int top, int stochastic, simd_i32 random16)
 {
-    if (stochastic)
-        return simd_f32_to_i32_trunc(simd_min(simd_add(x, unit16_vec(random16)), simd_set1(top)));
-    return simd_f32_to_i32_nearest(simd_min(x, simd_set1(top)));
+    if (!stochastic)
+        return simd_i32_min(simd_f32_to_i32_nearest(x), simd_i32_set1((uint32_t)top));
+    simd_i32 q = simd_i32_shr16(simd_i32_add(simd_f32_to_i32_trunc(x), random16));
+    return simd_i32_min(q, simd_i32_set1((uint32_t)top));
 }
 
-SIMD_INLINE void int8_block(const rlhfz_adamw_lowp_shard *shard, const rlhfz_adamw_consts *c,
-                            const adamw_vconsts *k, size_t begin, size_t end,
-                            rlhfz_dtype grad_dtype, int out)
+/* One block of whole vectors (end - begin a multiple of W). */
+SIMD_INLINE void int8_block(const rlhfz_adamw_lowp_shard *shard, const lowp_vconsts *k,
+                            size_t begin, size_t end, rlhfz_dtype grad_dtype, int out)
 {
     size_t index = begin / RLHFZ_QBLOCK;
     int8_t *codes = shard->exp_avg;
     uint8_t *sq_codes = shard->exp_avg_sq;
-    rlhfz_q_block block = {.scale = shard->exp_avg_scale[index],
-                           .sq_scale = shard->exp_avg_sq_scale[index]};
-    simd_f32 scale = simd_set1(block.scale), sq_scale = simd_set1(block.sq_scale);
+    /* the new exp_avg, and estimates of exp_avg_sq^(1/4) (the position of
+     * its code is that over the scale's square root) */
+    float moments[RLHFZ_QBLOCK], fourth_roots[RLHFZ_QBLOCK];
+    simd_f32 scale = simd_set1(shard->exp_avg_scale[index]);
+    simd_f32 sq_scale = simd_set1(shard->exp_avg_sq_scale[index]);
 
     /* decode, step, and find the new scales */
     simd_f32 zero = simd_set1(0.0f);
-    simd_f32 largest = zero, sq_largest = zero, nonfinite = zero, sq_nonfinite = zero;
+    simd_f32 largest = zero, v_largest = zero, nonfinite = zero, sq_nonfinite = zero;
     /* the codes' fractions of their scales, as rlhfz_q_exp_avg_value takes them */
     simd_f32 exp_avg_unit = simd_set1(1.0f / (127.0f * 127.0f));
     simd_f32 sq_unit = simd_set1(1.0f / (255.0f * 255.0f));
-    size_t i = begin;
-    for (; i + W <= end; i += W) {
+    for (size_t i = begin; i < end; i += W) {
         simd_f32 m = simd_mul(simd_mul(simd_q_signed_square_load(codes + i), exp_avg_unit), scale);
         simd_f32 root = simd_mul(simd_mul(simd_q_square_load(sq_codes + i), sq_unit), sq_scale);
         simd_f32 v = simd_mul(root, root);
-        root = lowp_step_vec(shard, k, i, grad_dtype, out, &m, &v);
-        simd_storeu(block.moments + (i - begin), m);
-        simd_storeu(block.roots + (i - begin), root);
+        simd_f32 r = lowp_step_vec(shard, k, i, grad_dtype, out, &m, &v);
+        simd_storeu(moments + (i - begin), m);
+        simd_storeu(fourth_roots + (i - begin), simd_rsqrt_fine(r));
 
         simd_f32 magnitude = simd_abs(m);
         largest = simd_max(magnitude, largest);
         nonfinite = simd_add(nonfinite, simd_sub(magnitude, magnitude));
-        sq_largest = simd_max(root, sq_largest);
-        sq_nonfinite = simd_add(sq_nonfinite, simd_sub(root, root));
+        v_largest = simd_max(v, v_largest);
+        sq_nonfinite = simd_add(sq_nonfinite, simd_sub(v, v));
     }
-    block.largest = largest_lane(largest);
-    block.sq_largest = largest_lane(sq_largest);
-    block.finite = all_finite(nonfinite) && isfinite(block.largest);
-    block.sq_finite = all_finite(sq_nonfinite) && isfinite(block.sq_largest);
-    rlhfz_lowp_int8_step_scalar(shard, c, begin, i, end, &block);
+    /* the scales, exactly: sqrt is monotone, so the largest root is the
+     * root of the largest v */
+    float m_largest = largest_lane(largest), sq_largest = sqrtf(largest_lane(v_largest));
+    int finite = all_finite(nonfinite) && isfinite(m_largest);
+    int sq_finite = all_finite(sq_nonfinite) && isfinite(sq_largest);
+    float encode = rlhfz_q_encode(m_largest, finite, &shard->exp_avg_scale[index]);
+    float sq_encode = rlhfz_q_encode(sq_largest, sq_finite, &shard->exp_avg_sq_scale[index]);
 
-    /* encode against them */
-    float encode = rlhfz_q_encode(block.largest, block.finite, &shard->exp_avg_scale[index]);
-    float sq_encode =
-        rlhfz_q_encode(block.sq_largest, block.sq_finite, &shard->exp_avg_sq_scale[index]);
-    simd_f32 encode_vec = simd_set1(encode), sq_encode_vec = simd_set1(sq_encode);
+    /* encode against them: exp_avg's position is sqrt(t) for
+     * t = |m| * encode, exp_avg_sq's v^(1/4) * sqrt(sq_encode) */
     int stochastic = shard->rounding == RLHFZ_ROUND_STOCHASTIC;
+    float fixed = stochastic ? 65536.0f : 1.0f;
+    simd_f32 encode_vec = simd_set1(encode * (127.0f * 127.0f) * fixed * fixed);
+    simd_f32 sq_encode_vec = simd_set1(sqrtf(sq_encode) * 255.0f * fixed);
     simd_i32 low16 = simd_i32_set1(0xFFFFu), none = simd_i32_set1(0);
-    for (i = begin; i + W <= end; i += W) {
-        if (stochastic && !one_index_key(shard, i))
-            break;
-        simd_f32 m = block.finite ? simd_loadu(block.moments + (i - begin)) : zero;
-        simd_f32 root = block.sq_finite ? simd_loadu(block.roots + (i - begin)) : zero;
+    for (size_t i = begin; i < end; i += W) {
+        /* a block that is not finite keeps all-zero codes under its NaN scale */
+        simd_f32 m = finite ? simd_loadu(moments + (i - begin)) : zero;
+        simd_f32 fourth = sq_finite ? simd_loadu(fourth_roots + (i - begin)) : zero;
         simd_i32 random = stochastic ? random_vec(shard, i) : none;
-
-        simd_f32 x = simd_mul(simd_sqrt(simd_mul(simd_abs(m), encode_vec)),
-                              simd_set1(RLHFZ_Q_EXP_AVG_MAX));
-        simd_q_signed_store(codes + i,
-                            code_vec(x, RLHFZ_Q_EXP_AVG_MAX, stochastic, simd_i32_shr16(random)),
-                            m);
-        simd_f32 sq_x = simd_mul(simd_sqrt(simd_mul(root, sq_encode_vec)),
-                                 simd_set1(RLHFZ_Q_EXP_AVG_SQ_MAX));
-        simd_q_unsigned_store(sq_codes + i, code_vec(sq_x, RLHFZ_Q_EXP_AVG_SQ_MAX, stochastic,
+        simd_f32 t = simd_mul(simd_abs(m), encode_vec);
+        simd_f32 x = simd_mul(t, simd_rsqrt_fine(simd_max(t, k->smallest)));
+        simd_q_signed_store(codes + i, code_vec(x, 127, stochastic, simd_i32_shr16(random)), m);
+        simd_f32 sq_x = simd_mul(fourth, sq_encode_vec);
+        simd_q_unsigned_store(sq_codes + i, code_vec(sq_x, 255, stochastic,
                                                      simd_i32_and(random, low16)));
     }
-    for (; i < end; i++)
-        rlhfz_lowp_int8_encode_scalar(shard, i, block.finite ? block.moments[i - begin] : 0.0f,
-                                      block.sq_finite ? block.roots[i - begin] : 0.0f, encode,
-                                      sq_encode);
 }
 
 SIMD_INLINE void int8_loop(const rlhfz_adamw_lowp_shard *shard, const rlhfz_adamw_consts *c,
                            size_t begin, size_t end, rlhfz_dtype grad_dtype, int out)
 {
-    adamw_vconsts k = adamw_vconsts_of(c);
-    for (size_t b = begin; b < end; b += RLHFZ_QBLOCK)
-        int8_block(shard, c, &k, b, b + RLHFZ_QBLOCK < end ? b + RLHFZ_QBLOCK : end,
-                   grad_dtype, out);
+    lowp_vconsts k = lowp_vconsts_of(c);
+    size_t b = begin;
+    for (; b + RLHFZ_QBLOCK <= end; b += RLHFZ_QBLOCK)
+        int8_block(shard, &k, b, b + RLHFZ_QBLOCK, grad_dtype, out);
+    if (b == end)
+        return;
+    /* a short last block */
+    padded_part part;
+    size_t padded = padded_part_of(&part, shard, b, end, 1);
+    int8_block(&part.view, &k, 0, padded, grad_dtype, out);
+    padded_part_back(&part, shard, b, end, 1);
 }
 
 /* ---- one loop per (grad dtype, param_out kind), known at compile time ----- */

@@ -1,9 +1,9 @@
 /* lowp_chunks_scalar.c: the scalar level of AdamW with bf16 or int8 moments.
  *
  * The per-element math stated plainly, over elements [begin, end) of a flat
- * shard part. The dispatcher (adamw_lowp_cpu.c) runs these where no SIMD
- * level is usable, and the SIMD levels finish with them, so every level
- * computes the same bits. Compiled without ISA flags, as cpu_chunks_scalar.c.
+ * shard part, with the reference's bits. The dispatcher (adamw_lowp_cpu.c)
+ * runs these where no SIMD level is usable. Compiled without ISA flags, as
+ * cpu_chunks_scalar.c.
  */
 #include "rlhfz_kernels.h"
 
@@ -14,9 +14,19 @@
 #include "half_convert.h"
 #include "lowp_state.h"
 
-float rlhfz_lowp_element_scalar(const rlhfz_adamw_lowp_shard *shard,
-                                const rlhfz_adamw_consts *c, size_t i, float *exp_avg,
-                                float *exp_avg_sq)
+/* One int8 block on its way through a step: the scales its codes were
+ * encoded against, its new moments (exp_avg, and sqrt(exp_avg_sq)), and the
+ * running largest magnitude of each over the finite values, with whether
+ * all were finite. */
+typedef struct {
+    float scale, sq_scale;
+    float moments[RLHFZ_QBLOCK], roots[RLHFZ_QBLOCK];
+    float largest, sq_largest;
+    int finite, sq_finite;
+} q_block;
+
+static float element_step(const rlhfz_adamw_lowp_shard *shard, const rlhfz_adamw_consts *c,
+                          size_t i, float *exp_avg, float *exp_avg_sq)
 {
     float g = rlhfz_load_f32(shard->grad, shard->grad_dtype, i) * c->grad_scale;
 
@@ -51,7 +61,7 @@ void rlhfz_lowp_bf16_chunk_scalar(const rlhfz_adamw_lowp_shard *shard,
     for (size_t i = begin; i < end; i++) {
         float m = rlhfz_bf16_to_f32(exp_avg[i]);
         float v = rlhfz_bf16_to_f32(exp_avg_sq[i]);
-        rlhfz_lowp_element_scalar(shard, c, i, &m, &v);
+        element_step(shard, c, i, &m, &v);
 
         uint64_t index = shard->index_base + i;
         uint32_t random = rlhfz_round_bits(rlhfz_index_key(shard->rounding_key, index), index);
@@ -60,21 +70,19 @@ void rlhfz_lowp_bf16_chunk_scalar(const rlhfz_adamw_lowp_shard *shard,
     }
 }
 
-void rlhfz_lowp_int8_encode_scalar(const rlhfz_adamw_lowp_shard *shard, size_t i,
-                                   float exp_avg, float exp_avg_root, float exp_avg_encode,
-                                   float exp_avg_sq_encode)
+static void int8_encode(const rlhfz_adamw_lowp_shard *shard, size_t i, float exp_avg,
+                        float exp_avg_root, float exp_avg_encode, float exp_avg_sq_encode)
 {
     uint64_t index = shard->index_base + i;
     uint32_t random = rlhfz_round_bits(rlhfz_index_key(shard->rounding_key, index), index);
-    ((int8_t *)shard->exp_avg)[i] = rlhfz_q_exp_avg_code(
-        exp_avg, exp_avg_encode, shard->rounding, rlhfz_unit16(random >> 16));
-    ((uint8_t *)shard->exp_avg_sq)[i] = rlhfz_q_exp_avg_sq_code(
-        exp_avg_root, exp_avg_sq_encode, shard->rounding, rlhfz_unit16(random & 0xFFFFu));
+    ((int8_t *)shard->exp_avg)[i] =
+        rlhfz_q_exp_avg_code(exp_avg, exp_avg_encode, shard->rounding, random >> 16);
+    ((uint8_t *)shard->exp_avg_sq)[i] =
+        rlhfz_q_exp_avg_sq_code(exp_avg_root, exp_avg_sq_encode, shard->rounding, random & 0xFFFFu);
 }
 
-void rlhfz_lowp_int8_step_scalar(const rlhfz_adamw_lowp_shard *shard,
-                                 const rlhfz_adamw_consts *c, size_t begin, size_t from,
-                                 size_t end, rlhfz_q_block *block)
+static void int8_step(const rlhfz_adamw_lowp_shard *shard, const rlhfz_adamw_consts *c,
+                      size_t begin, size_t from, size_t end, q_block *block)
 {
     const int8_t *codes = shard->exp_avg;
     const uint8_t *sq_codes = shard->exp_avg_sq;
@@ -82,7 +90,7 @@ void rlhfz_lowp_int8_step_scalar(const rlhfz_adamw_lowp_shard *shard,
         float m = rlhfz_q_exp_avg_value(codes[i], block->scale);
         float root = rlhfz_q_exp_avg_sq_root(sq_codes[i], block->sq_scale);
         float v = root * root;
-        root = rlhfz_lowp_element_scalar(shard, c, i, &m, &v);
+        root = element_step(shard, c, i, &m, &v);
         block->moments[i - begin] = m;
         block->roots[i - begin] = root;
 
@@ -104,10 +112,10 @@ static void int8_block(const rlhfz_adamw_lowp_shard *shard, const rlhfz_adamw_co
                        size_t begin, size_t end)
 {
     size_t index = begin / RLHFZ_QBLOCK;
-    rlhfz_q_block block = {
+    q_block block = {
         .scale = shard->exp_avg_scale[index], .sq_scale = shard->exp_avg_sq_scale[index],
         .finite = 1, .sq_finite = 1};
-    rlhfz_lowp_int8_step_scalar(shard, c, begin, begin, end, &block);
+    int8_step(shard, c, begin, begin, end, &block);
 
     float encode = rlhfz_q_encode(block.largest, block.finite, &shard->exp_avg_scale[index]);
     float sq_encode =
@@ -116,7 +124,7 @@ static void int8_block(const rlhfz_adamw_lowp_shard *shard, const rlhfz_adamw_co
         /* a block that is not finite keeps all-zero codes under its NaN scale */
         float m = block.finite ? block.moments[i - begin] : 0.0f;
         float root = block.sq_finite ? block.roots[i - begin] : 0.0f;
-        rlhfz_lowp_int8_encode_scalar(shard, i, m, root, encode, sq_encode);
+        int8_encode(shard, i, m, root, encode, sq_encode);
     }
 }
 

@@ -2,10 +2,10 @@
  * (internal).
  *
  * The definition of the bf16 and int8 states for the whole library: the
- * reference, the scalar level, every SIMD tail and the CUDA kernels use
- * these, and the SIMD bodies are tested to agree with them bit for bit.
- * Every step is an fp32 operation in a fixed order, so a SIMD lane that
- * repeats it gets the same bits.
+ * reference, the scalar level and the CUDA kernels use these, and get the
+ * same bits. Every step is an fp32 operation in a fixed order. The SIMD
+ * levels update the moments with the same operations, but take square
+ * roots and quotients from estimates (lowp_chunk_bodies.h says why).
  */
 #ifndef RLHFZ_LOWP_STATE_H
 #define RLHFZ_LOWP_STATE_H
@@ -131,12 +131,15 @@ static inline RLHFZ_HOST_DEVICE float rlhfz_q_exp_avg_sq_root(uint8_t q, float s
 
 /* The code of a position x in [0, top] of a map's square-root axis: nearest
  * (ties to even, as the SIMD conversions do), or up with probability of the
- * distance to the code below, u in [0, 1). x above top (by rounding) clamps. */
-static inline RLHFZ_HOST_DEVICE int rlhfz_q_code(float x, float top, rlhfz_rounding rounding,
-                                                  float u)
+ * distance to the code below: floor(x + random16 / 2^16), computed exactly
+ * in 1/65536ths. x above top (by rounding) clamps. */
+static inline RLHFZ_HOST_DEVICE int rlhfz_q_code(float x, int top, rlhfz_rounding rounding,
+                                                  uint32_t random16)
 {
-    float code = rounding == RLHFZ_ROUND_STOCHASTIC ? floorf(rlhfz_add_rn(x, u)) : nearbyintf(x);
-    return (int)(code < top ? code : top);
+    int code = rounding == RLHFZ_ROUND_STOCHASTIC
+                   ? (int)(((uint32_t)rlhfz_mul_rn(x, 65536.0f) + random16) >> 16)
+                   : (int)nearbyintf(x);
+    return code < top ? code : top;
 }
 
 /* A block's scale and the factor that encodes it, for either moment: the
@@ -151,26 +154,22 @@ static inline RLHFZ_HOST_DEVICE float rlhfz_q_encode(float largest, int finite, 
 
 /* exp_avg's code: the square-root axis of |m| / scale, signed. */
 static inline RLHFZ_HOST_DEVICE int8_t rlhfz_q_exp_avg_code(float m, float encode,
-                                                            rlhfz_rounding rounding, float u)
+                                                            rlhfz_rounding rounding,
+                                                            uint32_t random16)
 {
     float x = rlhfz_mul_rn(rlhfz_sqrt_rn(rlhfz_mul_rn(fabsf(m), encode)), RLHFZ_Q_EXP_AVG_MAX);
-    int q = rlhfz_q_code(x, RLHFZ_Q_EXP_AVG_MAX, rounding, u);
+    int q = rlhfz_q_code(x, 127, rounding, random16);
     return (int8_t)(signbit(m) ? -q : q);
 }
 
 /* exp_avg_sq's code, from its square root r (the step computes r anyway):
  * the square-root axis of r / scale. */
 static inline RLHFZ_HOST_DEVICE uint8_t rlhfz_q_exp_avg_sq_code(float root, float encode,
-                                                                rlhfz_rounding rounding, float u)
+                                                                rlhfz_rounding rounding,
+                                                                uint32_t random16)
 {
     float x = rlhfz_mul_rn(rlhfz_sqrt_rn(rlhfz_mul_rn(root, encode)), RLHFZ_Q_EXP_AVG_SQ_MAX);
-    return (uint8_t)rlhfz_q_code(x, RLHFZ_Q_EXP_AVG_SQ_MAX, rounding, u);
-}
-
-/* u in [0, 1) from 16 random bits. */
-static inline RLHFZ_HOST_DEVICE float rlhfz_unit16(uint32_t random16)
-{
-    return rlhfz_mul_rn((float)random16, 1.0f / 65536.0f);
+    return (uint8_t)rlhfz_q_code(x, 255, rounding, random16);
 }
 
 #endif /* RLHFZ_LOWP_STATE_H */

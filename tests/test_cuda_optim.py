@@ -13,6 +13,8 @@ import pytest
 import torch
 
 import rlhfz
+from rlhfz import _C
+from rlhfz.engine import backends
 from device_support import DEVICE, SIMULATED, needs_device, needs_real_gpu, on_device, params_on_device
 
 pytestmark = [pytest.mark.gpu, needs_device]
@@ -123,10 +125,22 @@ def test_buckets_and_state_live_on_the_device():
     assert opt.state[half]["master_param"].dtype == torch.float32
 
 
+class _ScalarLowPrecisionStep:
+    """rlhfz._C, but the CPU's low-precision step at the scalar level."""
+
+    def __getattr__(self, name):
+        return getattr(_C, name)
+
+    def adamw_step_lowp(self, *args, **kwargs):
+        return _C.adamw_step_lowp(*args, simd="scalar", **kwargs)
+
+
 @pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
 def test_low_precision_moments_step_on_the_device_as_on_the_cpu(state_dtype, monkeypatch):
-    """The same grads, stepped by the CUDA kernels and by the CPU ones: the
-    same params and the same stored moments, bit for bit."""
+    """The same grads, stepped by the CUDA kernels and by the CPU's scalar
+    level (the reference's bits; the SIMD levels take estimates of roots and
+    quotients): the same params and the same stored moments, bit for bit."""
+    monkeypatch.setattr(backends, "_C", _ScalarLowPrecisionStep())
     net, _ = _nets()
     ref = copy.deepcopy(net).cpu()
     opt = rlhfz.ZeroAdamW(_groups(net), lr=1e-2, state_dtype=state_dtype, min_8bit_size=1000)

@@ -6,7 +6,10 @@ kernels document (rlhfz_kernels.h): bf16 rounded to nearest even or
 stochastically, int8 blockwise with a signed square map for exp_avg and a
 square map of sqrt(exp_avg_sq). Its only difference from the kernels is
 float64 arithmetic, so a code may differ by one where the exact value sits
-on a rounding boundary. Every SIMD level must give the C reference's bits.
+on a rounding boundary. The scalar level gives the C reference's bits; the
+SIMD levels update the moments with the same fp32 operations (bf16 moments
+bit for bit) but take square roots and quotients from estimates, so their
+master and int8 codes are held to tolerances instead.
 """
 import math
 
@@ -71,8 +74,12 @@ def bf16_store(values, rounding, random16):
     return torch.from_numpy(rounded.view(np.int16).copy()).view(torch.bfloat16)
 
 
-def _code(x, top, rounding, u):
-    code = np.floor(x + u) if rounding == "stochastic" else np.rint(x)
+def _code(x, top, rounding, random16):
+    """Nearest, or floor(x + random16 / 2^16) computed in 1/65536ths."""
+    if rounding == "stochastic":
+        code = np.floor((np.floor(x * 65536.0) + random16) / 65536.0)
+    else:
+        code = np.rint(x)
     return np.minimum(code, top)
 
 
@@ -96,8 +103,8 @@ def int8_encode(m, v, rounding, random):
     sq_codes = np.zeros(n, np.uint8)
     scales = np.zeros(blocks, np.float32)
     sq_scales = np.zeros(blocks, np.float32)
-    u_m = (random >> 16).astype(np.float64) / 65536.0
-    u_v = (random & 0xFFFF).astype(np.float64) / 65536.0
+    u_m = (random >> 16).astype(np.float64)
+    u_v = (random & 0xFFFF).astype(np.float64)
     for b in range(blocks):
         s = slice(b * QBLOCK, min(n, (b + 1) * QBLOCK))
         mb, vb = m[s], v[s]
@@ -194,19 +201,27 @@ def assert_bits_equal(a, b):
 @given(n=sizes, seed=st.integers(0, 2**16), state_dtype=st.sampled_from(["bf16", "int8"]),
        rounding=st.sampled_from(["nearest", "stochastic"]),
        grad_dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
-       index_base=st.sampled_from([0, 256 * 7, 2**32 - 512]))
+       index_base=st.sampled_from([0, 256 * 7, 2**32 - 512]),
+       level=st.sampled_from(AVAILABLE))
 def test_lowp_step_matches_float64_reference(n, seed, state_dtype, rounding, grad_dtype,
-                                             index_base):
+                                             index_base, level):
     state = State(state_dtype, n, seed, zero_blocks=(1,))
     gen = torch.Generator().manual_seed(seed + 1)
     grad = (torch.randn(n, generator=gen) * 1e-2).to(grad_dtype)
     m0, v0 = state.moments()
+    master0 = state.master.double().numpy()
     want_p, want_m, want_v = adamw_f64(state.master.numpy(), m0, v0, grad.float().numpy(), 3)
     random = random_bits(seed, 3, index_base, n)
 
-    state.step(grad, 3, rounding=rounding, seed=seed, index_base=index_base, simd="reference")
+    state.step(grad, 3, rounding=rounding, seed=seed, index_base=index_base, simd=level)
 
-    np.testing.assert_allclose(state.master.double().numpy(), want_p, rtol=1e-5, atol=1e-7)
+    if level in ("reference", "scalar"):
+        np.testing.assert_allclose(state.master.double().numpy(), want_p, rtol=1e-5, atol=1e-7)
+    else:
+        # the step's reciprocal estimates: ~2^-11 of each update
+        moved = np.abs(want_p - state.master.double().numpy()) - 2e-3 * np.abs(
+            want_p - master0)
+        assert np.all(moved <= 1e-5 * np.abs(want_p) + 1e-7)
     if state_dtype == "bf16":
         want_ea = bf16_store(want_m, rounding, random >> 16)
         want_eas = bf16_store(want_v, rounding, random & 0xFFFF)
@@ -226,7 +241,7 @@ def test_lowp_step_matches_float64_reference(n, seed, state_dtype, rounding, gra
     for got, want in ((state.exp_avg, codes), (state.exp_avg_sq, sq_codes)):
         diff = np.abs(got.numpy().astype(np.int32) - want.astype(np.int32))
         assert diff.max() <= 1
-        assert (diff > 0).mean() < 0.01
+        assert (diff > 0).sum() <= 2 + 0.02 * n
     # the stored moments are the true ones to within the maps' resolution
     m, v = state.moments()
     block = np.arange(n) // QBLOCK
@@ -255,54 +270,105 @@ def test_stochastic_rounding_is_unbiased():
     assert abs(float(stored.mean()) - value) < 1e-3 * value
 
 
-# ---- every level gives the reference's bits ---------------------------------
+# ---- every level against the reference ---------------------------------------
 
-@SETTINGS
-@given(n=sizes, seed=st.integers(0, 2**16), state_dtype=st.sampled_from(["bf16", "int8"]),
-       rounding=st.sampled_from(["nearest", "stochastic"]),
-       grad_dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
-       param_dtype=st.sampled_from([None, torch.float32, torch.bfloat16, torch.float16]),
-       maximize=st.booleans(), index_base=st.sampled_from([0, 2**32 - 300, 5 * 2**32 + 3]))
-def test_every_level_gives_the_reference_bits(n, seed, state_dtype, rounding, grad_dtype,
-                                              param_dtype, maximize, index_base):
-    base = State(state_dtype, n, seed, zero_blocks=(0, 2))
+levels_case = dict(
+    n=sizes, seed=st.integers(0, 2**16), state_dtype=st.sampled_from(["bf16", "int8"]),
+    rounding=st.sampled_from(["nearest", "stochastic"]),
+    grad_dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    param_dtype=st.sampled_from([None, torch.float32, torch.bfloat16, torch.float16]),
+    maximize=st.booleans(), index_base=st.sampled_from([0, 2**32 - 300, 5 * 2**32 + 3]))
+
+
+def ulps(x, count=2):
+    """count units in the last place of fp32 x (the fused multiply-add that
+    applies the step rounds once where the reference rounds twice)."""
+    return count * torch.finfo(torch.float32).eps * x.abs() + 1e-38
+
+
+def _two_steps(level, n, seed, state_dtype, rounding, grad_dtype, param_dtype, maximize,
+               index_base, grad_scale=0.5):
+    state = State(state_dtype, n, seed, zero_blocks=(0, 2))
+    start = state.master.clone()
     gen = torch.Generator().manual_seed(seed + 7)
     grads = [(torch.randn(n, generator=gen) * 10.0 ** -k).to(grad_dtype) for k in (1, 3)]
-    results = {}
-    for level in AVAILABLE:
-        state = base.clone()
-        out = torch.empty(n, dtype=param_dtype) if param_dtype else None
-        for step, grad in enumerate(grads, start=5):
-            state.step(grad, step, param_out=out, simd=level, rounding=rounding, seed=seed,
-                       index_base=index_base, maximize=maximize, grad_scale=0.5)
-        results[level] = (state, out)
-    ref_state, ref_out = results["reference"]
-    for level in AVAILABLE[1:]:
-        state, out = results[level]
-        assert_bits_equal(state, ref_state)
-        if param_dtype is not None:
-            assert torch.equal(out.view(torch.uint8), ref_out.view(torch.uint8))
-            assert torch.equal(out, ref_state.master.to(param_dtype))
+    out = torch.empty(n, dtype=param_dtype) if param_dtype else None
+    for step, grad in enumerate(grads, start=5):
+        state.step(grad, step, param_out=out, simd=level, rounding=rounding, seed=seed,
+                   index_base=index_base, maximize=maximize, grad_scale=grad_scale)
+    if param_dtype is not None:
+        # the 16-bit param is the new master rounded to nearest even
+        assert torch.equal(out.view(torch.uint8), state.master.to(param_dtype).view(torch.uint8))
+    return state, start, out
 
 
+@SETTINGS
+@given(**levels_case)
+def test_the_scalar_level_gives_the_reference_bits(n, seed, state_dtype, rounding, grad_dtype,
+                                                   param_dtype, maximize, index_base):
+    args = (n, seed, state_dtype, rounding, grad_dtype, param_dtype, maximize, index_base)
+    ref, _, ref_out = _two_steps("reference", *args)
+    state, _, out = _two_steps("scalar", *args)
+    assert_bits_equal(state, ref)
+    if param_dtype is not None:
+        assert torch.equal(out.view(torch.uint8), ref_out.view(torch.uint8))
+
+
+SIMD = [lv for lv in AVAILABLE if lv not in ("reference", "scalar")]
+
+
+@pytest.mark.skipif(not SIMD, reason="this CPU has no AVX2")
+@SETTINGS
+@given(level=st.sampled_from(SIMD or ["scalar"]), grad_scale=st.sampled_from([0.5, 1.0]),
+       **levels_case)
+def test_simd_levels_keep_to_the_reference(level, grad_scale, n, seed, state_dtype, rounding,
+                                           grad_dtype, param_dtype, maximize, index_base):
+    args = (n, seed, state_dtype, rounding, grad_dtype, param_dtype, maximize, index_base)
+    ref, start, _ = _two_steps("reference", *args, grad_scale=grad_scale)
+    state, _, _ = _two_steps(level, *args, grad_scale=grad_scale)
+    moved = (ref.master - start).abs()
+    if state_dtype == "bf16":
+        # the moments take the reference's fp32 operations: the same bits
+        assert torch.equal(state.exp_avg.view(torch.int16), ref.exp_avg.view(torch.int16))
+        assert torch.equal(state.exp_avg_sq.view(torch.int16), ref.exp_avg_sq.view(torch.int16))
+        # the step's reciprocal estimates are good to ~2^-11 of each update
+        assert torch.all((state.master - ref.master).abs() <= 2e-3 * moved + ulps(ref.master))
+        return
+    # int8: a code moves by one where the estimate and the exact root straddle a cut,
+    # and a block's scale follows its moments
+    for got, want in ((state.exp_avg, ref.exp_avg), (state.exp_avg_sq, ref.exp_avg_sq)):
+        diff = (got.int() - want.int()).abs()
+        assert int(diff.max()) <= 2
+        assert int((diff > 0).sum()) <= 2 + 0.03 * n
+    torch.testing.assert_close(state.scales, ref.scales, rtol=0.05, atol=0, equal_nan=True)
+    torch.testing.assert_close(state.sq_scales, ref.sq_scales, rtol=0.05, atol=0,
+                               equal_nan=True)
+    close = (state.master - ref.master).abs() <= 2e-3 * moved + ulps(ref.master)
+    assert float(close.float().mean()) > 0.98
+    assert torch.all((state.master - ref.master).abs() <= float(moved.max()) + 1e-7)
+
+
+@pytest.mark.parametrize("level", AVAILABLE)
 @pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
-def test_parts_with_their_index_base_give_the_whole_shard(state_dtype):
-    """A shard cut into parts at block boundaries, each called with its offset,
-    steps exactly as the whole: stochastic rounding does not depend on where a
-    shard part starts, so runs repeat across world sizes."""
+def test_parts_with_their_index_base_give_the_whole_shard(state_dtype, level):
+    """A shard cut into parts (int8 at block boundaries, bf16 anywhere), each
+    called with its offset, steps exactly as the whole: stochastic rounding
+    does not depend on where a shard part starts, nor does which elements a
+    level steps in its short ends, so runs repeat across world sizes."""
     n = 10 * QBLOCK + 37
     whole = State(state_dtype, n, seed=3)
     parts = whole.clone()
     grad = torch.randn(n) * 1e-2
-    whole.step(grad, 9, rounding="stochastic", seed=11, index_base=1000 * QBLOCK)
-    for a, b in ((0, 3 * QBLOCK), (3 * QBLOCK, 8 * QBLOCK), (8 * QBLOCK, n)):
+    whole.step(grad, 9, rounding="stochastic", seed=11, index_base=1000 * QBLOCK, simd=level)
+    cuts = [0, 3 * QBLOCK, 8 * QBLOCK, n] if state_dtype == "int8" else [0, 773, 2053, n]
+    for a, b in zip(cuts, cuts[1:]):
         blocks = slice(a // QBLOCK, (b + QBLOCK - 1) // QBLOCK)
         _C.adamw_step_lowp(parts.master[a:b], parts.exp_avg[a:b], parts.exp_avg_sq[a:b],
                            grad[a:b], exp_avg_scale=None if parts.scales is None
                            else parts.scales[blocks], exp_avg_sq_scale=None
                            if parts.sq_scales is None else parts.sq_scales[blocks],
                            step=9, rounding="stochastic", seed=11,
-                           index_base=1000 * QBLOCK + a, **HP)
+                           index_base=1000 * QBLOCK + a, simd=level, **HP)
     assert_bits_equal(parts, whole)
 
 
