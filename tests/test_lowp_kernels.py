@@ -215,13 +215,13 @@ def test_lowp_step_matches_float64_reference(n, seed, state_dtype, rounding, gra
 
     state.step(grad, 3, rounding=rounding, seed=seed, index_base=index_base, simd=level)
 
-    if level in ("reference", "scalar"):
-        np.testing.assert_allclose(state.master.double().numpy(), want_p, rtol=1e-5, atol=1e-7)
-    else:
-        # the step's reciprocal estimates: ~2^-11 of each update
-        moved = np.abs(want_p - state.master.double().numpy()) - 2e-3 * np.abs(
-            want_p - master0)
-        assert np.all(moved <= 1e-5 * np.abs(want_p) + 1e-7)
+    # fp32 rounding, relative to the update (the new master can be a small
+    # difference of two larger terms), and for the SIMD levels the step's
+    # reciprocal estimates, ~2^-11 of each update
+    update = np.abs(want_p - master0)
+    tolerance = 1e-5 if level in ("reference", "scalar") else 2e-3
+    err = np.abs(state.master.double().numpy() - want_p)
+    assert np.all(err <= tolerance * update + 1e-5 * np.abs(want_p) + 1e-7)
     if state_dtype == "bf16":
         want_ea = bf16_store(want_m, rounding, random >> 16)
         want_eas = bf16_store(want_v, rounding, random & 0xFFFF)
@@ -241,7 +241,8 @@ def test_lowp_step_matches_float64_reference(n, seed, state_dtype, rounding, gra
     for got, want in ((state.exp_avg, codes), (state.exp_avg_sq, sq_codes)):
         diff = np.abs(got.numpy().astype(np.int32) - want.astype(np.int32))
         assert diff.max() <= 1
-        assert (diff > 0).sum() <= 2 + 0.02 * n
+        # (a cut falls within the estimate's error for ~1% of elements)
+        assert (diff > 0).sum() <= 4 + 0.03 * n
     # the stored moments are the true ones to within the maps' resolution
     m, v = state.moments()
     block = np.arange(n) // QBLOCK
@@ -286,12 +287,13 @@ def ulps(x, count=2):
     return count * torch.finfo(torch.float32).eps * x.abs() + 1e-38
 
 
-def _two_steps(level, n, seed, state_dtype, rounding, grad_dtype, param_dtype, maximize,
-               index_base, grad_scale=0.5):
+def _steps(level, n, seed, state_dtype, rounding, grad_dtype, param_dtype, maximize,
+               index_base, grad_scale=0.5, steps=2):
     state = State(state_dtype, n, seed, zero_blocks=(0, 2))
     start = state.master.clone()
     gen = torch.Generator().manual_seed(seed + 7)
     grads = [(torch.randn(n, generator=gen) * 10.0 ** -k).to(grad_dtype) for k in (1, 3)]
+    grads = grads[:steps]
     out = torch.empty(n, dtype=param_dtype) if param_dtype else None
     for step, grad in enumerate(grads, start=5):
         state.step(grad, step, param_out=out, simd=level, rounding=rounding, seed=seed,
@@ -307,8 +309,8 @@ def _two_steps(level, n, seed, state_dtype, rounding, grad_dtype, param_dtype, m
 def test_the_scalar_level_gives_the_reference_bits(n, seed, state_dtype, rounding, grad_dtype,
                                                    param_dtype, maximize, index_base):
     args = (n, seed, state_dtype, rounding, grad_dtype, param_dtype, maximize, index_base)
-    ref, _, ref_out = _two_steps("reference", *args)
-    state, _, out = _two_steps("scalar", *args)
+    ref, _, ref_out = _steps("reference", *args)
+    state, _, out = _steps("scalar", *args)
     assert_bits_equal(state, ref)
     if param_dtype is not None:
         assert torch.equal(out.view(torch.uint8), ref_out.view(torch.uint8))
@@ -324,8 +326,10 @@ SIMD = [lv for lv in AVAILABLE if lv not in ("reference", "scalar")]
 def test_simd_levels_keep_to_the_reference(level, grad_scale, n, seed, state_dtype, rounding,
                                            grad_dtype, param_dtype, maximize, index_base):
     args = (n, seed, state_dtype, rounding, grad_dtype, param_dtype, maximize, index_base)
-    ref, start, _ = _two_steps("reference", *args, grad_scale=grad_scale)
-    state, _, _ = _two_steps(level, *args, grad_scale=grad_scale)
+    # int8: one step, so that a code the estimate moved is not fed back
+    steps = 2 if state_dtype == "bf16" else 1
+    ref, start, _ = _steps("reference", *args, grad_scale=grad_scale, steps=steps)
+    state, _, _ = _steps(level, *args, grad_scale=grad_scale, steps=steps)
     moved = (ref.master - start).abs()
     if state_dtype == "bf16":
         # the moments take the reference's fp32 operations: the same bits
@@ -334,18 +338,14 @@ def test_simd_levels_keep_to_the_reference(level, grad_scale, n, seed, state_dty
         # the step's reciprocal estimates are good to ~2^-11 of each update
         assert torch.all((state.master - ref.master).abs() <= 2e-3 * moved + ulps(ref.master))
         return
-    # int8: a code moves by one where the estimate and the exact root straddle a cut,
-    # and a block's scale follows its moments
+    # int8: the same moments, so the same scales; a code moves by one where the
+    # estimate and the exact root straddle a cut (~1% of elements)
+    assert torch.equal(state.scales, ref.scales) and torch.equal(state.sq_scales, ref.sq_scales)
     for got, want in ((state.exp_avg, ref.exp_avg), (state.exp_avg_sq, ref.exp_avg_sq)):
         diff = (got.int() - want.int()).abs()
-        assert int(diff.max()) <= 2
-        assert int((diff > 0).sum()) <= 2 + 0.03 * n
-    torch.testing.assert_close(state.scales, ref.scales, rtol=0.05, atol=0, equal_nan=True)
-    torch.testing.assert_close(state.sq_scales, ref.sq_scales, rtol=0.05, atol=0,
-                               equal_nan=True)
-    close = (state.master - ref.master).abs() <= 2e-3 * moved + ulps(ref.master)
-    assert float(close.float().mean()) > 0.98
-    assert torch.all((state.master - ref.master).abs() <= float(moved.max()) + 1e-7)
+        assert int(diff.max()) <= 1
+        assert int((diff > 0).sum()) <= 4 + 0.03 * n
+    assert torch.all((state.master - ref.master).abs() <= 2e-3 * moved + ulps(ref.master))
 
 
 @pytest.mark.parametrize("level", AVAILABLE)
