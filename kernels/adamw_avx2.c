@@ -50,7 +50,10 @@ SIMD_INLINE simd_f32 simd_rsqrt_refine(simd_f32 a, simd_f32 r)
     __m256 half_a_r = _mm256_mul_ps(_mm256_mul_ps(a, _mm256_set1_ps(0.5f)), r);
     return _mm256_mul_ps(r, _mm256_fnmadd_ps(half_a_r, r, _mm256_set1_ps(1.5f)));
 }
-SIMD_INLINE simd_f32 simd_rsqrt_fine(simd_f32 a) { return simd_rsqrt_refine(a, _mm256_rsqrt_ps(a)); }
+SIMD_INLINE simd_f32 simd_rsqrt_fine(simd_f32 a)
+{
+    return simd_rsqrt_refine(a, _mm256_rsqrt_ps(a));
+}
 
 SIMD_INLINE simd_half simd_half_loadu(const uint16_t *x)
 {
@@ -131,7 +134,6 @@ SIMD_INLINE simd_i32 simd_i32_min(simd_i32 a, simd_i32 b) { return _mm256_min_ep
 SIMD_INLINE simd_i32 simd_i32_and(simd_i32 a, simd_i32 b) { return _mm256_and_si256(a, b); }
 SIMD_INLINE simd_i32 simd_i32_mul(simd_i32 a, simd_i32 b) { return _mm256_mullo_epi32(a, b); }
 SIMD_INLINE simd_i32 simd_i32_shr16(simd_i32 a) { return _mm256_srli_epi32(a, 16); }
-SIMD_INLINE simd_f32 simd_i32_to_f32(simd_i32 a) { return _mm256_cvtepi32_ps(a); }
 /* to nearest even under the default MXCSR, as nearbyintf */
 SIMD_INLINE simd_i32 simd_f32_to_i32_nearest(simd_f32 a) { return _mm256_cvtps_epi32(a); }
 SIMD_INLINE simd_i32 simd_f32_to_i32_trunc(simd_f32 a) { return _mm256_cvttps_epi32(a); }

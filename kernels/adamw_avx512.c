@@ -133,7 +133,6 @@ SIMD_INLINE simd_i32 simd_i32_min(simd_i32 a, simd_i32 b) { return _mm512_min_ep
 SIMD_INLINE simd_i32 simd_i32_and(simd_i32 a, simd_i32 b) { return _mm512_and_si512(a, b); }
 SIMD_INLINE simd_i32 simd_i32_mul(simd_i32 a, simd_i32 b) { return _mm512_mullo_epi32(a, b); }
 SIMD_INLINE simd_i32 simd_i32_shr16(simd_i32 a) { return _mm512_srli_epi32(a, 16); }
-SIMD_INLINE simd_f32 simd_i32_to_f32(simd_i32 a) { return _mm512_cvtepi32_ps(a); }
 /* to nearest even under the default MXCSR, as nearbyintf */
 SIMD_INLINE simd_i32 simd_f32_to_i32_nearest(simd_f32 a) { return _mm512_cvtps_epi32(a); }
 SIMD_INLINE simd_i32 simd_f32_to_i32_trunc(simd_f32 a) { return _mm512_cvttps_epi32(a); }

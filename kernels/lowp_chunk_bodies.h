@@ -52,7 +52,9 @@ SIMD_INLINE simd_i32 round_bits_vec(simd_i32 x)
 }
 
 /* The random bits of elements [i, i + W), as rlhfz_round_bits. Lanes whose
- * indices cross a multiple of 2^32 each take their own index key. */
+ * indices cross a multiple of 2^32 each take their own index key. (The key's
+ * scalar mix per vector runs beside the vector work: keeping it across
+ * vectors measured no faster.) */
 SIMD_INLINE simd_i32 random_vec(const rlhfz_adamw_lowp_shard *shard, size_t i)
 {
     uint64_t index = shard->index_base + i;
@@ -97,7 +99,8 @@ SIMD_INLINE lowp_vconsts lowp_vconsts_of(const rlhfz_adamw_consts *c)
     return k;
 }
 
-/* One vector of rlhfz_lowp_element_scalar: m and v in and out; returns the
+/* One vector of the step (lowp_chunks_scalar.c's element_step, with
+ * estimates): m and v in and out; returns the
  * estimate of 1 / sqrt(v) it stepped with (of 1 / sqrt(smallest) for 0). */
 SIMD_INLINE simd_f32 lowp_step_vec(const rlhfz_adamw_lowp_shard *shard, const lowp_vconsts *k,
                                    size_t i, rlhfz_dtype grad_dtype, int out, simd_f32 *m,
@@ -129,11 +132,6 @@ SIMD_INLINE simd_f32 lowp_step_vec(const rlhfz_adamw_lowp_shard *shard, const lo
 
 /* ---- short ends, through a padded copy ------------------------------------ */
 
-static size_t dtype_bytes(rlhfz_dtype dtype)
-{
-    return dtype == RLHFZ_DTYPE_F32 ? 4 : 2;
-}
-
 /* Elements [begin, end) of a shard, at most RLHFZ_QBLOCK, copied into
  * buffers padded with zeros to whole vectors: a view the vector loops run
  * over from 0, with the index base (and so the random bits) of the place the
@@ -157,7 +155,7 @@ static size_t padded_part_of(padded_part *part, const rlhfz_adamw_lowp_shard *sh
     part->view.n = padded;
     memcpy(part->master, shard->master + begin, n * 4);
     part->view.master = part->master;
-    size_t grad_bytes = dtype_bytes(shard->grad_dtype);
+    size_t grad_bytes = rlhfz_dtype_size(shard->grad_dtype);
     memcpy(part->grad, (const unsigned char *)shard->grad + begin * grad_bytes, n * grad_bytes);
     part->view.grad = part->grad;
     if (shard->param_out)
@@ -183,7 +181,7 @@ static void padded_part_back(const padded_part *part, const rlhfz_adamw_lowp_sha
     size_t n = end - begin;
     memcpy(shard->master + begin, part->master, n * 4);
     if (shard->param_out) {
-        size_t out_bytes = dtype_bytes(shard->param_dtype);
+        size_t out_bytes = rlhfz_dtype_size(shard->param_dtype);
         memcpy((unsigned char *)shard->param_out + begin * out_bytes, part->param_out,
                n * out_bytes);
     }
@@ -281,17 +279,19 @@ SIMD_INLINE void int8_codes(const rlhfz_adamw_lowp_shard *shard, const lowp_vcon
     int8_t *codes = shard->exp_avg;
     uint8_t *sq_codes = shard->exp_avg_sq;
     float fixed = stochastic ? 65536.0f : 1.0f;
-    simd_f32 encode_vec = simd_set1(encode * (127.0f * 127.0f) * fixed * fixed);
-    simd_f32 sq_encode_vec = simd_set1(sqrtf(sq_encode) * 255.0f * fixed);
+    float top = RLHFZ_Q_EXP_AVG_MAX, sq_top = RLHFZ_Q_EXP_AVG_SQ_MAX;
+    simd_f32 encode_vec = simd_set1(encode * (top * top) * fixed * fixed);
+    simd_f32 sq_encode_vec = simd_set1(sqrtf(sq_encode) * sq_top * fixed);
     simd_i32 low16 = simd_i32_set1(0xFFFFu), none = simd_i32_set1(0);
     for (size_t i = begin; i < end; i += W) {
         simd_f32 m = simd_loadu(moments + (i - begin));
         simd_i32 random = stochastic ? random_vec(shard, i) : none;
         simd_f32 t = simd_mul(simd_abs(m), encode_vec);
         simd_f32 x = simd_mul(t, simd_rsqrt_fine(simd_max(t, k->smallest)));
-        simd_q_signed_store(codes + i, code_vec(x, 127, stochastic, simd_i32_shr16(random)), m);
+        simd_q_signed_store(codes + i, code_vec(x, (int)top, stochastic, simd_i32_shr16(random)),
+                            m);
         simd_f32 sq_x = simd_mul(simd_loadu(fourth_roots + (i - begin)), sq_encode_vec);
-        simd_q_unsigned_store(sq_codes + i, code_vec(sq_x, 255, stochastic,
+        simd_q_unsigned_store(sq_codes + i, code_vec(sq_x, (int)sq_top, stochastic,
                                                      simd_i32_and(random, low16)));
     }
 }

@@ -164,7 +164,7 @@ static inline RLHFZ_HOST_DEVICE int8_t rlhfz_q_exp_avg_code(float m, float encod
                                                             uint32_t random16)
 {
     float x = rlhfz_mul_rn(rlhfz_sqrt_rn(rlhfz_mul_rn(fabsf(m), encode)), RLHFZ_Q_EXP_AVG_MAX);
-    int q = rlhfz_q_code(x, 127, rounding, random16);
+    int q = rlhfz_q_code(x, (int)RLHFZ_Q_EXP_AVG_MAX, rounding, random16);
     return (int8_t)(signbit(m) ? -q : q);
 }
 
@@ -175,7 +175,7 @@ static inline RLHFZ_HOST_DEVICE uint8_t rlhfz_q_exp_avg_sq_code(float root, floa
                                                                 uint32_t random16)
 {
     float x = rlhfz_mul_rn(rlhfz_sqrt_rn(rlhfz_mul_rn(root, encode)), RLHFZ_Q_EXP_AVG_SQ_MAX);
-    return (uint8_t)rlhfz_q_code(x, 255, rounding, random16);
+    return (uint8_t)rlhfz_q_code(x, (int)RLHFZ_Q_EXP_AVG_SQ_MAX, rounding, random16);
 }
 
 #endif /* RLHFZ_LOWP_STATE_H */
