@@ -238,7 +238,8 @@ PyMethodDef rlhfz_cpu_ops_methods[] = {
      "                index_base=0, simd=None)\n\n"
      "One AdamW step over a flat shard whose moments are low precision, in place: bfloat16\n"
      "exp_avg and exp_avg_sq, or int8 / uint8 codes with one float32 scale per block of 256\n"
-     "for each. rounding 'stochastic' draws from a hash of (seed, step, index_base + i)."},
+     "for each. rounding 'stochastic' rounds exp_avg_sq from a hash of (seed, step,\n"
+     "index_base + i); exp_avg rounds to nearest under either."},
     {"sumsq", (PyCFunction)(void (*)(void))sumsq, METH_FASTCALL | METH_KEYWORDS,
      "sumsq(x) -> float: sum of squares in double; Inf or NaN iff x holds one."},
     {"scale_", (PyCFunction)(void (*)(void))scale_, METH_FASTCALL | METH_KEYWORDS,

@@ -67,6 +67,13 @@ SIMD_INLINE simd_f32 simd_widen_bf16(simd_half h)
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+/* Lanes below 2^16 as 16-bit lanes: the unsigned-saturating pack just
+ * narrows them. */
+SIMD_INLINE simd_half narrow_bf16_bits(__m256i high)
+{
+    return _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1));
+}
+
 /* The top halves of x's bits after adding `carry` below them; a NaN keeps
  * its top bits and gets the quiet bit instead. */
 SIMD_INLINE simd_half narrow_bf16_adding(simd_f32 x, __m256i carry)
@@ -77,9 +84,7 @@ SIMD_INLINE simd_half narrow_bf16_adding(simd_f32 x, __m256i carry)
     __m256 is_nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
     __m256i chosen = _mm256_castps_si256(_mm256_blendv_ps(
         _mm256_castsi256_ps(rounded), _mm256_castsi256_ps(quieted), is_nan));
-    __m256i high = _mm256_srli_epi32(chosen, 16);
-    /* values are < 2^16, so the unsigned-saturating pack just narrows */
-    return _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1));
+    return narrow_bf16_bits(_mm256_srli_epi32(chosen, 16));
 }
 
 /* Round to nearest even by integer add (see rlhfz_f32_to_bf16). */
@@ -131,7 +136,6 @@ SIMD_INLINE simd_i32 simd_i32_loadu(const uint32_t *x)
 SIMD_INLINE simd_i32 simd_i32_xor(simd_i32 a, simd_i32 b) { return _mm256_xor_si256(a, b); }
 SIMD_INLINE simd_i32 simd_i32_add(simd_i32 a, simd_i32 b) { return _mm256_add_epi32(a, b); }
 SIMD_INLINE simd_i32 simd_i32_min(simd_i32 a, simd_i32 b) { return _mm256_min_epi32(a, b); }
-SIMD_INLINE simd_i32 simd_i32_and(simd_i32 a, simd_i32 b) { return _mm256_and_si256(a, b); }
 SIMD_INLINE simd_i32 simd_i32_mul(simd_i32 a, simd_i32 b) { return _mm256_mullo_epi32(a, b); }
 SIMD_INLINE simd_i32 simd_i32_shr16(simd_i32 a) { return _mm256_srli_epi32(a, 16); }
 /* to nearest even under the default MXCSR, as nearbyintf */
@@ -172,10 +176,12 @@ SIMD_INLINE void simd_q_unsigned_store(uint8_t *x, simd_i32 q)
     _mm_storel_epi64((__m128i *)x, _mm_packus_epi16(words, words));
 }
 
-/* Stochastic rounding to bf16 (see rlhfz_f32_to_bf16_stochastic). */
+/* Stochastic rounding to bf16, as rlhfz_f32_to_bf16_stochastic: a NaN (or a
+ * sign bit) clamps to the quiet NaN by one unsigned min. */
 SIMD_INLINE simd_half simd_narrow_bf16_stochastic(simd_f32 x, simd_i32 random16)
 {
-    return narrow_bf16_adding(x, random16);
+    __m256i bits = _mm256_min_epu32(_mm256_castps_si256(x), _mm256_set1_epi32(0x7FC00000));
+    return narrow_bf16_bits(_mm256_srli_epi32(_mm256_add_epi32(bits, random16), 16));
 }
 
 /* ---- the chunk functions -------------------------------------------------- */

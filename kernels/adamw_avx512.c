@@ -70,6 +70,9 @@ SIMD_INLINE simd_f32 simd_widen_bf16(simd_half h)
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+/* Lanes below 2^16 as 16-bit lanes. */
+SIMD_INLINE simd_half narrow_bf16_bits(__m512i high) { return _mm512_cvtepi32_epi16(high); }
+
 /* The top halves of x's bits after adding `carry` below them; a NaN keeps
  * its top bits and gets the quiet bit instead. */
 SIMD_INLINE simd_half narrow_bf16_adding(simd_f32 x, __m512i carry)
@@ -78,7 +81,7 @@ SIMD_INLINE simd_half narrow_bf16_adding(simd_f32 x, __m512i carry)
     __m512i rounded = _mm512_add_epi32(bits, carry);
     __mmask16 is_nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     __m512i chosen = _mm512_mask_or_epi32(rounded, is_nan, bits, _mm512_set1_epi32(0x00400000));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(chosen, 16));
+    return narrow_bf16_bits(_mm512_srli_epi32(chosen, 16));
 }
 
 /* Round to nearest even by integer add (see rlhfz_f32_to_bf16). */
@@ -130,7 +133,6 @@ SIMD_INLINE simd_i32 simd_i32_loadu(const uint32_t *x) { return _mm512_loadu_si5
 SIMD_INLINE simd_i32 simd_i32_xor(simd_i32 a, simd_i32 b) { return _mm512_xor_si512(a, b); }
 SIMD_INLINE simd_i32 simd_i32_add(simd_i32 a, simd_i32 b) { return _mm512_add_epi32(a, b); }
 SIMD_INLINE simd_i32 simd_i32_min(simd_i32 a, simd_i32 b) { return _mm512_min_epi32(a, b); }
-SIMD_INLINE simd_i32 simd_i32_and(simd_i32 a, simd_i32 b) { return _mm512_and_si512(a, b); }
 SIMD_INLINE simd_i32 simd_i32_mul(simd_i32 a, simd_i32 b) { return _mm512_mullo_epi32(a, b); }
 SIMD_INLINE simd_i32 simd_i32_shr16(simd_i32 a) { return _mm512_srli_epi32(a, 16); }
 /* to nearest even under the default MXCSR, as nearbyintf */
@@ -166,10 +168,12 @@ SIMD_INLINE void simd_q_unsigned_store(uint8_t *x, simd_i32 q)
     _mm_storeu_si128((__m128i *)x, _mm512_cvtepi32_epi8(q));
 }
 
-/* Stochastic rounding to bf16 (see rlhfz_f32_to_bf16_stochastic). */
+/* Stochastic rounding to bf16, as rlhfz_f32_to_bf16_stochastic: a NaN (or a
+ * sign bit) clamps to the quiet NaN by one unsigned min. */
 SIMD_INLINE simd_half simd_narrow_bf16_stochastic(simd_f32 x, simd_i32 random16)
 {
-    return narrow_bf16_adding(x, random16);
+    __m512i bits = _mm512_min_epu32(_mm512_castps_si512(x), _mm512_set1_epi32(0x7FC00000));
+    return narrow_bf16_bits(_mm512_srli_epi32(_mm512_add_epi32(bits, random16), 16));
 }
 
 /* ---- the chunk functions -------------------------------------------------- */

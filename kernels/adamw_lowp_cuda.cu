@@ -35,18 +35,18 @@ struct lowp_rounding {
 
 /* ---- kernels -------------------------------------------------------------- */
 
-/* Element i's 32 random bits (the top 16 round exp_avg, the low 16
- * exp_avg_sq). Rounding to nearest draws none. */
-__device__ __forceinline__ uint32_t lowp_random(const lowp_rounding &r, size_t i)
+/* Element i's 16 random bits, for its exp_avg_sq. Rounding to nearest draws
+ * none. */
+__device__ __forceinline__ uint32_t lowp_random16(const lowp_rounding &r, size_t i)
 {
     if (r.rounding != RLHFZ_ROUND_STOCHASTIC)
         return 0;
     uint64_t index = r.index_base + i;
-    return rlhfz_round_bits(rlhfz_index_key(r.key, index), index);
+    return rlhfz_round_bits16(rlhfz_index_key(r.key, index), index);
 }
 
 /* One element over bf16 moments: the step from the decoded moments m and v,
- * then each new moment rounded to bf16 with its half of the random bits. */
+ * then each new moment rounded to bf16 as lowp_state.h defines. */
 __device__ __forceinline__ void lowp_bf16_element(const rlhfz_adamw_hparams &hp,
                                                   const lowp_rounding &r, size_t i, float grad,
                                                   float &param, float m, float v,
@@ -54,9 +54,8 @@ __device__ __forceinline__ void lowp_bf16_element(const rlhfz_adamw_hparams &hp,
                                                   unsigned short &v_bits)
 {
     rlhfz_adamw_element(hp, grad, param, m, v);
-    uint32_t random = lowp_random(r, i);
-    m_bits = rlhfz_bf16_round(m, r.rounding, random >> 16);
-    v_bits = rlhfz_bf16_round(v, r.rounding, random & 0xFFFFu);
+    m_bits = rlhfz_bf16_exp_avg(m);
+    v_bits = rlhfz_bf16_exp_avg_sq(v, r.rounding, lowp_random16(r, i));
 }
 
 /* G: grad dtype; OUT: param_out dtype, or RLHFZ_OUT_NONE. vector: every
@@ -189,10 +188,9 @@ rlhfz_adamw_lowp_int8_kernel(float *master, int8_t *exp_avg, uint8_t *exp_avg_sq
 
         /* encode against them; a block that is not finite gets all-zero codes */
         if (live) {
-            uint32_t random = lowp_random(r, i);
-            exp_avg[i] = finite ? rlhfz_q_exp_avg_code(m, encode, r.rounding, random >> 16) : 0;
+            exp_avg[i] = finite ? rlhfz_q_exp_avg_code(m, encode) : 0;
             exp_avg_sq[i] = sq_finite ? rlhfz_q_exp_avg_sq_code(root, sq_encode, r.rounding,
-                                                                random & 0xFFFFu)
+                                                                lowp_random16(r, i))
                                       : 0;
         }
     }

@@ -35,10 +35,10 @@ static float step_element(const rlhfz_adamw_lowp_shard *shard, const rlhfz_adamw
     return root;
 }
 
-static uint32_t random_bits(const rlhfz_adamw_lowp_shard *shard, size_t i)
+static uint32_t random16(const rlhfz_adamw_lowp_shard *shard, size_t i)
 {
     uint64_t index = shard->index_base + i;
-    return rlhfz_round_bits(rlhfz_index_key(shard->rounding_key, index), index);
+    return rlhfz_round_bits16(rlhfz_index_key(shard->rounding_key, index), index);
 }
 
 static void bf16_reference(const rlhfz_adamw_lowp_shard *shard, const rlhfz_adamw_hparams *hp)
@@ -48,9 +48,8 @@ static void bf16_reference(const rlhfz_adamw_lowp_shard *shard, const rlhfz_adam
         float m = rlhfz_bf16_to_f32(exp_avg[i]);
         float v = rlhfz_bf16_to_f32(exp_avg_sq[i]);
         step_element(shard, hp, i, &m, &v);
-        uint32_t random = random_bits(shard, i);
-        exp_avg[i] = rlhfz_bf16_round(m, shard->rounding, random >> 16);
-        exp_avg_sq[i] = rlhfz_bf16_round(v, shard->rounding, random & 0xFFFFu);
+        exp_avg[i] = rlhfz_bf16_exp_avg(m);
+        exp_avg_sq[i] = rlhfz_bf16_exp_avg_sq(v, shard->rounding, random16(shard, i));
     }
 }
 
@@ -92,12 +91,10 @@ static void int8_reference(const rlhfz_adamw_lowp_shard *shard, const rlhfz_adam
         shard->exp_avg_sq_scale[block] = sq_scale;
         for (size_t k = 0; k < count; k++) {
             size_t i = begin + k;
-            uint32_t random = random_bits(shard, i);
-            codes[i] =
-                finite ? rlhfz_q_exp_avg_code(m[k], encode, shard->rounding, random >> 16) : 0;
+            codes[i] = finite ? rlhfz_q_exp_avg_code(m[k], encode) : 0;
             sq_codes[i] = sq_finite ? rlhfz_q_exp_avg_sq_code(root[k], sq_encode,
                                                               shard->rounding,
-                                                              random & 0xFFFFu)
+                                                              random16(shard, i))
                                     : 0;
         }
     }

@@ -21,7 +21,7 @@
  *   simd_rsqrt_refine(x, r)  r (simd_rsqrt_est(x)) brought to simd_rsqrt_fine's precision
  *   simd_i32                 W 32-bit integers
  *   simd_i32_set1, simd_i32_lanes(base)      a constant; base, base + 1, ...
- *   simd_i32_loadu, simd_i32_xor, simd_i32_and, simd_i32_add, simd_i32_min (signed),
+ *   simd_i32_loadu, simd_i32_xor, simd_i32_add, simd_i32_min (signed),
  *   simd_i32_mul (low 32 bits), simd_i32_shr16
  *   simd_f32_to_i32_nearest (ties to even), simd_f32_to_i32_trunc
  *   simd_abs, simd_max, simd_min             x86's: a NaN in a yields b
@@ -29,7 +29,8 @@
  *   simd_q_square_load          W uint8 codes q as float(q * q)
  *   simd_q_signed_store         W codes (|q| <= 127), negated by a float's sign
  *   simd_q_unsigned_store       W codes in 0..255
- *   simd_narrow_bf16_stochastic simd_f32 -> bf16 with 16 random bits per lane
+ *   simd_narrow_bf16_stochastic simd_f32 -> bf16 with 16 random bits per lane,
+ *                               as rlhfz_f32_to_bf16_stochastic
  */
 #ifndef SIMD_WIDTH
 #error "include lowp_chunk_bodies.h from a level's source file, after simd_chunk_bodies.h"
@@ -44,27 +45,21 @@
 
 /* ---- the counter hash, W lanes at a time ---------------------------------- */
 
-/* rlhfz_round_bits of W inputs */
-SIMD_INLINE simd_i32 round_bits_vec(simd_i32 x)
-{
-    x = simd_i32_mul(x, simd_i32_set1(0x9E3779B1u));
-    return simd_i32_xor(x, simd_i32_shr16(x));
-}
-
-/* The random bits of elements [i, i + W), as rlhfz_round_bits. Lanes whose
- * indices cross a multiple of 2^32 each take their own index key. (The key's
- * scalar mix per vector runs beside the vector work: keeping it across
- * vectors measured no faster.) */
-SIMD_INLINE simd_i32 random_vec(const rlhfz_adamw_lowp_shard *shard, size_t i)
+/* rlhfz_round_bits16 of elements [i, i + W). Lanes whose indices cross a
+ * multiple of 2^32 each take their own index key. (The key's scalar mix per
+ * vector runs beside the vector work: keeping it across vectors measured no
+ * faster.) */
+SIMD_INLINE simd_i32 random16_vec(const rlhfz_adamw_lowp_shard *shard, size_t i)
 {
     uint64_t index = shard->index_base + i;
     if ((uint32_t)index <= UINT32_MAX - (W - 1)) {
         uint32_t key = rlhfz_index_key(shard->rounding_key, index);
-        return round_bits_vec(simd_i32_xor(simd_i32_lanes((uint32_t)index), simd_i32_set1(key)));
+        simd_i32 x = simd_i32_xor(simd_i32_lanes((uint32_t)index), simd_i32_set1(key));
+        return simd_i32_shr16(simd_i32_mul(x, simd_i32_set1(0x9E3779B1u)));
     }
     uint32_t lanes[W];
     for (int j = 0; j < W; j++)
-        lanes[j] = rlhfz_round_bits(rlhfz_index_key(shard->rounding_key, index + j), index + j);
+        lanes[j] = rlhfz_round_bits16(rlhfz_index_key(shard->rounding_key, index + j), index + j);
     return simd_i32_loadu(lanes);
 }
 
@@ -203,20 +198,14 @@ SIMD_INLINE void bf16_vectors(const rlhfz_adamw_lowp_shard *shard, const lowp_vc
 {
     uint16_t *exp_avg = shard->exp_avg, *exp_avg_sq = shard->exp_avg_sq;
     int stochastic = shard->rounding == RLHFZ_ROUND_STOCHASTIC;
-    simd_i32 low16 = simd_i32_set1(0xFFFFu);
     for (size_t i = begin; i < end; i += W) {
         simd_f32 m = simd_widen_bf16(simd_half_loadu(exp_avg + i));
         simd_f32 v = simd_widen_bf16(simd_half_loadu(exp_avg_sq + i));
         lowp_step_vec(shard, k, i, grad_dtype, out, &m, &v);
-        if (stochastic) {
-            simd_i32 random = random_vec(shard, i);
-            simd_half_storeu(exp_avg + i, simd_narrow_bf16_stochastic(m, simd_i32_shr16(random)));
-            simd_half_storeu(exp_avg_sq + i,
-                             simd_narrow_bf16_stochastic(v, simd_i32_and(random, low16)));
-        } else {
-            simd_half_storeu(exp_avg + i, simd_narrow_bf16(m));
-            simd_half_storeu(exp_avg_sq + i, simd_narrow_bf16(v));
-        }
+        simd_half_storeu(exp_avg + i, simd_narrow_bf16(m));
+        simd_half_storeu(exp_avg_sq + i, stochastic ? simd_narrow_bf16_stochastic(
+                                                          v, random16_vec(shard, i))
+                                                    : simd_narrow_bf16(v));
     }
 }
 
@@ -247,7 +236,7 @@ SIMD_INLINE float largest_lane(simd_f32 x)
     return largest;
 }
 
-/* Whether every lane of a sum of (x - x) terms is still 0: none was Inf or NaN. */
+/* Whether every lane of a sum of (x * 0) terms is still 0: none was Inf or NaN. */
 SIMD_INLINE int all_finite(simd_f32 sum)
 {
     float lanes[W];
@@ -270,7 +259,8 @@ SIMD_INLINE simd_i32 code_vec(simd_f32 x, int top, int stochastic, simd_i32 rand
 }
 
 /* A block's codes against its new scales: exp_avg's position is sqrt(t)
- * for t = |m| * encode * 127^2, exp_avg_sq's v^(1/4) * sqrt(sq_encode) * 255. */
+ * for t = |m| * encode * 127^2, rounded to nearest; exp_avg_sq's is
+ * v^(1/4) * sqrt(sq_encode) * 255. */
 SIMD_INLINE void int8_codes(const rlhfz_adamw_lowp_shard *shard, const lowp_vconsts *k,
                             size_t begin, size_t end, const float *moments,
                             const float *fourth_roots, float encode, float sq_encode,
@@ -278,21 +268,18 @@ SIMD_INLINE void int8_codes(const rlhfz_adamw_lowp_shard *shard, const lowp_vcon
 {
     int8_t *codes = shard->exp_avg;
     uint8_t *sq_codes = shard->exp_avg_sq;
-    float fixed = stochastic ? 65536.0f : 1.0f;
     float top = RLHFZ_Q_EXP_AVG_MAX, sq_top = RLHFZ_Q_EXP_AVG_SQ_MAX;
-    simd_f32 encode_vec = simd_set1(encode * (top * top) * fixed * fixed);
-    simd_f32 sq_encode_vec = simd_set1(sqrtf(sq_encode) * sq_top * fixed);
-    simd_i32 low16 = simd_i32_set1(0xFFFFu), none = simd_i32_set1(0);
+    simd_f32 encode_vec = simd_set1(encode * (top * top));
+    simd_f32 sq_encode_vec = simd_set1(sqrtf(sq_encode) * sq_top * (stochastic ? 65536.0f : 1.0f));
+    simd_i32 none = simd_i32_set1(0);
     for (size_t i = begin; i < end; i += W) {
         simd_f32 m = simd_loadu(moments + (i - begin));
-        simd_i32 random = stochastic ? random_vec(shard, i) : none;
         simd_f32 t = simd_mul(simd_abs(m), encode_vec);
         simd_f32 x = simd_mul(t, simd_rsqrt_fine(simd_max(t, k->smallest)));
-        simd_q_signed_store(codes + i, code_vec(x, (int)top, stochastic, simd_i32_shr16(random)),
-                            m);
+        simd_q_signed_store(codes + i, code_vec(x, (int)top, 0, none), m);
         simd_f32 sq_x = simd_mul(simd_loadu(fourth_roots + (i - begin)), sq_encode_vec);
-        simd_q_unsigned_store(sq_codes + i, code_vec(sq_x, (int)sq_top, stochastic,
-                                                     simd_i32_and(random, low16)));
+        simd_i32 random16 = stochastic ? random16_vec(shard, i) : none;
+        simd_q_unsigned_store(sq_codes + i, code_vec(sq_x, (int)sq_top, stochastic, random16));
     }
 }
 
@@ -324,11 +311,11 @@ SIMD_INLINE void int8_block(const rlhfz_adamw_lowp_shard *shard, const lowp_vcon
         simd_storeu(moments + (i - begin), m);
         simd_storeu(fourth_roots + (i - begin), simd_rsqrt_fine(r));
 
-        simd_f32 magnitude = simd_abs(m);
-        largest = simd_max(magnitude, largest);
-        nonfinite = simd_add(nonfinite, simd_sub(magnitude, magnitude));
+        /* x * 0 is NaN just where x is Inf or NaN; summed, it stays NaN */
+        largest = simd_max(simd_abs(m), largest);
+        nonfinite = simd_fmadd(m, zero, nonfinite);
         v_largest = simd_max(v, v_largest);
-        sq_nonfinite = simd_add(sq_nonfinite, simd_sub(v, v));
+        sq_nonfinite = simd_fmadd(v, zero, sq_nonfinite);
     }
     /* the scales, exactly: sqrt is monotone, so the largest root is the
      * root of the largest v */

@@ -64,9 +64,9 @@ void rlhfz_lowp_bf16_chunk_scalar(const rlhfz_adamw_lowp_shard *shard,
         element_step(shard, c, i, &m, &v);
 
         uint64_t index = shard->index_base + i;
-        uint32_t random = rlhfz_round_bits(rlhfz_index_key(shard->rounding_key, index), index);
-        exp_avg[i] = rlhfz_bf16_round(m, shard->rounding, random >> 16);
-        exp_avg_sq[i] = rlhfz_bf16_round(v, shard->rounding, random & 0xFFFFu);
+        uint32_t random16 = rlhfz_round_bits16(rlhfz_index_key(shard->rounding_key, index), index);
+        exp_avg[i] = rlhfz_bf16_exp_avg(m);
+        exp_avg_sq[i] = rlhfz_bf16_exp_avg_sq(v, shard->rounding, random16);
     }
 }
 
@@ -74,11 +74,10 @@ static void int8_encode(const rlhfz_adamw_lowp_shard *shard, size_t i, float exp
                         float exp_avg_root, float exp_avg_encode, float exp_avg_sq_encode)
 {
     uint64_t index = shard->index_base + i;
-    uint32_t random = rlhfz_round_bits(rlhfz_index_key(shard->rounding_key, index), index);
-    ((int8_t *)shard->exp_avg)[i] =
-        rlhfz_q_exp_avg_code(exp_avg, exp_avg_encode, shard->rounding, random >> 16);
+    uint32_t random16 = rlhfz_round_bits16(rlhfz_index_key(shard->rounding_key, index), index);
+    ((int8_t *)shard->exp_avg)[i] = rlhfz_q_exp_avg_code(exp_avg, exp_avg_encode);
     ((uint8_t *)shard->exp_avg_sq)[i] =
-        rlhfz_q_exp_avg_sq_code(exp_avg_root, exp_avg_sq_encode, shard->rounding, random & 0xFFFFu);
+        rlhfz_q_exp_avg_sq_code(exp_avg_root, exp_avg_sq_encode, shard->rounding, random16);
 }
 
 static void int8_step(const rlhfz_adamw_lowp_shard *shard, const rlhfz_adamw_consts *c,

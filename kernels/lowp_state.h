@@ -81,37 +81,47 @@ static inline RLHFZ_HOST_DEVICE uint32_t rlhfz_index_key(uint32_t key, uint64_t 
     return rlhfz_mix32(key ^ (uint32_t)(index >> 32));
 }
 
-/* 32 random bits for an element: the top 16 round exp_avg, the low 16
- * exp_avg_sq. The index key is a full mix of (seed, step, high half), so one
- * multiply per element suffices: over steps an element's input is uniform
- * and x -> x * odd is a bijection, so both halves of the product (and the
- * top half folded into the low) are uniform and independent; within a step
- * neighbours get a low-discrepancy sequence, which only evens rounding out.
- * A full mix per element cost ~0.12 ns of a ~0.5 ns SIMD step. */
-static inline RLHFZ_HOST_DEVICE uint32_t rlhfz_round_bits(uint32_t index_key, uint64_t index)
+/* The 16 random bits of an element, for its exp_avg_sq (exp_avg rounds to
+ * nearest): the top half of one multiply over the index key. The key is a
+ * full mix of (seed, step, high half), so one multiply per element
+ * suffices: over steps an element's input is uniform and x -> x * odd is a
+ * bijection, so the product's top half is uniform; within a step neighbours
+ * get a low-discrepancy sequence, which only evens rounding out. The top
+ * half is the product's best-mixed. A full mix per element cost ~0.12 ns of
+ * a ~0.5 ns SIMD step. */
+static inline RLHFZ_HOST_DEVICE uint32_t rlhfz_round_bits16(uint32_t index_key, uint64_t index)
 {
-    uint32_t x = ((uint32_t)index ^ index_key) * 0x9E3779B1u;
-    return x ^ (x >> 16);
+    return (((uint32_t)index ^ index_key) * 0x9E3779B1u) >> 16;
 }
 
 /* ---- bf16 moments --------------------------------------------------------- */
 
 /* Stochastic: 16 random bits added below the kept half carry into it with
- * probability equal to the dropped fraction (of the magnitude, so the sign
- * never matters). A NaN is made quiet, as rlhfz_f32_to_bf16 does. */
+ * probability equal to the dropped fraction. For exp_avg_sq, which is never
+ * negative: a NaN (quiet, as arithmetic leaves it) becomes the quiet NaN
+ * 0x7FC0, and so would a value with the sign bit set, as torch's sqrt of a
+ * negative exp_avg_sq is NaN. One unsigned min does it all. */
 static inline RLHFZ_HOST_DEVICE uint16_t rlhfz_f32_to_bf16_stochastic(float x, uint32_t random16)
 {
     uint32_t bits = rlhfz_f32_bits(x);
-    if ((bits & 0x7FFFFFFFu) > 0x7F800000u)
-        return (uint16_t)((bits >> 16) | 0x0040u);
+    bits = bits < 0x7FC00000u ? bits : 0x7FC00000u;
     return (uint16_t)((bits + random16) >> 16);
 }
 
-static inline RLHFZ_HOST_DEVICE uint16_t rlhfz_bf16_round(float x, rlhfz_rounding rounding,
-                                                           uint32_t random16)
+/* exp_avg rounds to nearest even under either rounding: beta1's steps are
+ * wide against bf16's spacing (and an int8 code's). exp_avg_sq's (1 - beta2
+ * = 1e-3 of it) are narrower than half of it, so nearest would stall it: it
+ * rounds stochastically unless told to round to nearest. */
+static inline RLHFZ_HOST_DEVICE uint16_t rlhfz_bf16_exp_avg(float m)
 {
-    return rounding == RLHFZ_ROUND_STOCHASTIC ? rlhfz_f32_to_bf16_stochastic(x, random16)
-                                              : rlhfz_f32_to_bf16(x);
+    return rlhfz_f32_to_bf16(m);
+}
+
+static inline RLHFZ_HOST_DEVICE uint16_t rlhfz_bf16_exp_avg_sq(float v, rlhfz_rounding rounding,
+                                                                uint32_t random16)
+{
+    return rounding == RLHFZ_ROUND_STOCHASTIC ? rlhfz_f32_to_bf16_stochastic(v, random16)
+                                              : rlhfz_f32_to_bf16(v);
 }
 
 /* ---- int8 moments --------------------------------------------------------- */
@@ -158,13 +168,12 @@ static inline RLHFZ_HOST_DEVICE float rlhfz_q_encode(float largest, int finite, 
     return finite && largest > 0.0f ? rlhfz_div_rn(1.0f, largest) : 0.0f;
 }
 
-/* exp_avg's code: the square-root axis of |m| / scale, signed. */
-static inline RLHFZ_HOST_DEVICE int8_t rlhfz_q_exp_avg_code(float m, float encode,
-                                                            rlhfz_rounding rounding,
-                                                            uint32_t random16)
+/* exp_avg's code: the square-root axis of |m| / scale, signed, rounded to
+ * nearest (as bf16's exp_avg). */
+static inline RLHFZ_HOST_DEVICE int8_t rlhfz_q_exp_avg_code(float m, float encode)
 {
     float x = rlhfz_mul_rn(rlhfz_sqrt_rn(rlhfz_mul_rn(fabsf(m), encode)), RLHFZ_Q_EXP_AVG_MAX);
-    int q = rlhfz_q_code(x, (int)RLHFZ_Q_EXP_AVG_MAX, rounding, random16);
+    int q = rlhfz_q_code(x, (int)RLHFZ_Q_EXP_AVG_MAX, RLHFZ_ROUND_NEAREST, 0);
     return (int8_t)(signbit(m) ? -q : q);
 }
 

@@ -123,7 +123,7 @@ typedef enum {
 typedef enum {
     RLHFZ_ROUND_NEAREST = 0,     /* to nearest, ties to even */
     RLHFZ_ROUND_STOCHASTIC = 1   /* up with probability of the distance, from a counter hash */
-} rlhfz_rounding;
+} rlhfz_rounding;               /* of exp_avg_sq: exp_avg always rounds to nearest */
 
 typedef struct {
     float *master;

@@ -1,6 +1,6 @@
 """The CUDA step over low-precision moments (cuda_adamw_step_lowp) against
 the CPU's plain C reference (adamw_step_lowp(..., simd="reference")), bit
-for bit: bf16 moments rounded to nearest or stochastically, int8 codes and
+for bit: exp_avg_sq rounded to nearest or stochastically, int8 codes and
 their blockwise scales, for every grad and param_out dtype, maximize,
 grad_scale, and index bases whose shard parts cross a 2**32 boundary.
 test_lowp_kernels.py holds the reference to the float64 maps; here the GPU

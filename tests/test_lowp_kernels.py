@@ -2,14 +2,15 @@
 the moments the same way.
 
 The float64 reference below decodes, steps and encodes with the maps the
-kernels document (rlhfz_kernels.h): bf16 rounded to nearest even or
-stochastically, int8 blockwise with a signed square map for exp_avg and a
-square map of sqrt(exp_avg_sq). Its only difference from the kernels is
-float64 arithmetic, so a code may differ by one where the exact value sits
-on a rounding boundary. The scalar level gives the C reference's bits; the
-SIMD levels update the moments with the same fp32 operations (bf16 moments
-bit for bit) but take square roots and quotients from estimates, so their
-master and int8 codes are held to tolerances instead.
+kernels document (lowp_state.h): int8 blockwise with a signed square map
+for exp_avg and a square map of sqrt(exp_avg_sq); exp_avg rounded to
+nearest (even, for bf16), exp_avg_sq to nearest or stochastically. Its
+only difference from the kernels is float64 arithmetic, so a code may
+differ by one where the exact value sits on a rounding boundary. The
+scalar level gives the C reference's bits; the SIMD levels update the
+moments with the same fp32 operations (bf16 moments bit for bit) but take
+square roots and quotients from estimates, so their master and int8 codes
+are held to tolerances instead.
 """
 import math
 
@@ -51,14 +52,14 @@ def _key(seed, step):
     return int(_mix32(step_key ^ seed_key)[0])
 
 
-def random_bits(seed, step, index_base, n):
-    """The 32 random bits of each element (top 16: exp_avg, low 16: exp_avg_sq)."""
+def random_bits16(seed, step, index_base, n):
+    """The 16 random bits of each element (its exp_avg_sq's)."""
     index = np.arange(n, dtype=np.uint64) + np.uint64(index_base)
     key = _key(seed, step)
     high = (index >> np.uint64(32)).astype(np.uint64)
     index_key = _mix32(np.uint64(key) ^ high)
     x = (((index & np.uint64(0xFFFFFFFF)) ^ index_key) * 0x9E3779B1) & 0xFFFFFFFF
-    return x ^ (x >> 16)
+    return x >> 16
 
 
 def _bf16_bits(x32):
@@ -66,11 +67,12 @@ def _bf16_bits(x32):
 
 
 def bf16_store(values, rounding, random16):
-    """float64 moments stored as bf16: nearest even via torch, or stochastic."""
+    """float64 moments stored as bf16: nearest even via torch, or
+    stochastic (a NaN, or a sign bit, stored as the quiet NaN)."""
     x32 = values.astype(np.float32)
     if rounding == "nearest":
         return _bf16_bits(x32)
-    bits = x32.view(np.uint32).astype(np.uint64)
+    bits = np.minimum(x32.view(np.uint32), np.uint32(0x7FC00000)).astype(np.uint64)
     rounded = ((bits + random16.astype(np.uint64)) >> 16).astype(np.uint16)
     return torch.from_numpy(rounded.view(np.int16).copy()).view(torch.bfloat16)
 
@@ -97,15 +99,14 @@ def int8_decode(codes, sq_codes, scales, sq_scales, n):
     return m.astype(np.float64), (root * root).astype(np.float64)
 
 
-def int8_encode(m, v, rounding, random):
+def int8_encode(m, v, rounding, random16):
     n = m.size
     blocks = (n + QBLOCK - 1) // QBLOCK
     codes = np.zeros(n, np.int8)
     sq_codes = np.zeros(n, np.uint8)
     scales = np.zeros(blocks, np.float32)
     sq_scales = np.zeros(blocks, np.float32)
-    u_m = (random >> 16).astype(np.float64)
-    u_v = (random & 0xFFFF).astype(np.float64)
+    u_v = random16.astype(np.float64)
     for b in range(blocks):
         s = slice(b * QBLOCK, min(n, (b + 1) * QBLOCK))
         mb, vb = m[s], v[s]
@@ -115,7 +116,7 @@ def int8_encode(m, v, rounding, random):
             scales[b] = np.abs(mb).max()
             if scales[b] > 0:
                 x = np.sqrt(np.abs(mb) / float(scales[b])) * 127.0
-                q = _code(x, 127.0, rounding, u_m[s])
+                q = _code(x, 127.0, "nearest", None)
                 codes[s] = np.where(np.signbit(mb), -q, q).astype(np.int8)
         if not np.all(np.isfinite(vb)):
             sq_scales[b] = np.nan
@@ -212,7 +213,7 @@ def test_lowp_step_matches_float64_reference(n, seed, state_dtype, rounding, gra
     m0, v0 = state.moments()
     master0 = state.master.double().numpy()
     want_p, want_m, want_v = adamw_f64(state.master.numpy(), m0, v0, grad.float().numpy(), 3)
-    random = random_bits(seed, 3, index_base, n)
+    random16 = random_bits16(seed, 3, index_base, n)
 
     state.step(grad, 3, rounding=rounding, seed=seed, index_base=index_base, simd=level)
 
@@ -224,8 +225,8 @@ def test_lowp_step_matches_float64_reference(n, seed, state_dtype, rounding, gra
     err = np.abs(state.master.double().numpy() - want_p)
     assert np.all(err <= tolerance * update + 1e-5 * np.abs(want_p) + 1e-7)
     if state_dtype == "bf16":
-        want_ea = bf16_store(want_m, rounding, random >> 16)
-        want_eas = bf16_store(want_v, rounding, random & 0xFFFF)
+        want_ea = bf16_store(want_m, "nearest", None)
+        want_eas = bf16_store(want_v, rounding, random16)
         g = np.abs(grad.double().numpy())
         for got, want, exact, size in ((state.exp_avg, want_ea, want_m, np.abs(m0) + g),
                                        (state.exp_avg_sq, want_eas, want_v, v0 + g * g)):
@@ -236,7 +237,7 @@ def test_lowp_step_matches_float64_reference(n, seed, state_dtype, rounding, gra
             same = got.view(torch.int16) == want.view(torch.int16)
             assert float(same.float().mean()) > 0.99
         return
-    codes, sq_codes, scales, sq_scales = int8_encode(want_m, want_v, rounding, random)
+    codes, sq_codes, scales, sq_scales = int8_encode(want_m, want_v, rounding, random16)
     np.testing.assert_allclose(state.scales.numpy(), scales, rtol=1e-5)
     np.testing.assert_allclose(state.sq_scales.numpy(), sq_scales, rtol=1e-5)
     for got, want in ((state.exp_avg, codes), (state.exp_avg_sq, sq_codes)):
@@ -258,17 +259,19 @@ def test_lowp_step_matches_float64_reference(n, seed, state_dtype, rounding, gra
 
 
 def test_stochastic_rounding_is_unbiased():
-    """Rounding one value many times over (as many elements) averages to it."""
+    """Rounding one value many times over (as many elements) averages to it,
+    and exp_avg, rounded to nearest, takes one value."""
     n = 1 << 16
-    value = 0.3 * 1e-2 + 1.234e-5
+    grad = torch.full((n,), 0.3 * 1e-2 + 1.234e-5)
+    value = float(grad[0].double() ** 2)    # fp32's square: exact in float64
     state = State("bf16", n)
     state.exp_avg.fill_(0)
     state.exp_avg_sq.fill_(0)
-    target_m = torch.full((n,), value)
-    # with beta1 = 0 the new exp_avg is the grad itself
-    _C.adamw_step_lowp(state.master, state.exp_avg, state.exp_avg_sq, target_m,
-                       step=1, rounding="stochastic", **{**HP, "beta1": 0.0})
-    stored = state.exp_avg.double()
+    # with beta1 = beta2 = 0 the new moments are the grad and its square
+    _C.adamw_step_lowp(state.master, state.exp_avg, state.exp_avg_sq, grad,
+                       step=1, rounding="stochastic", **{**HP, "beta1": 0.0, "beta2": 0.0})
+    assert state.exp_avg.unique().numel() == 1
+    stored = state.exp_avg_sq.double()
     assert stored.unique().numel() == 2
     assert abs(float(stored.mean()) - value) < 1e-3 * value
 
@@ -395,6 +398,36 @@ def test_a_nonfinite_block_reads_nan_and_leaves_the_others(level):
     m, _ = state.moments()
     assert np.isnan(m[QBLOCK:3 * QBLOCK]).all()
 
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("level", AVAILABLE)
+def test_nonfinite_bf16_moments_stay_nan_or_inf(level, rounding):
+    """A NaN grad leaves NaN moments, whatever its payload (all ones would
+    carry into the sign under a plain add), and an Inf grad an Inf exp_avg_sq;
+    the other elements step as without them."""
+    n = 3 * 64 + 5
+    state = State("bf16", n, seed=3)
+    grad = torch.randn(n) * 1e-2
+    all_ones_nan = torch.tensor([-1], dtype=torch.int32).view(torch.float32)
+    bad = {7: all_ones_nan, 70: torch.tensor(float("nan")), 131: torch.tensor(float("inf")),
+           n - 1: torch.tensor(float("-inf"))}
+    for i, value in bad.items():
+        grad[i] = value
+    clean = state.clone()
+    clean.step(torch.where(grad.isfinite(), grad, 0), 2, rounding=rounding, seed=1, simd=level)
+    state.step(grad, 2, rounding=rounding, seed=1, simd=level)
+    for i in (7, 70):
+        assert state.exp_avg[i].isnan() and state.exp_avg_sq[i].isnan()
+    for i in (131, n - 1):
+        assert state.exp_avg[i].isinf() and state.exp_avg_sq[i] == float("inf")
+    if rounding == "stochastic":
+        nan_bits = state.exp_avg_sq[[7, 70]].view(torch.int16)
+        assert (nan_bits == 0x7FC0).all()
+    good = torch.ones(n, dtype=torch.bool)
+    good[list(bad)] = False
+    assert torch.equal(state.exp_avg[good], clean.exp_avg[good])
+    assert torch.equal(state.exp_avg_sq[good], clean.exp_avg_sq[good])
 
 # ---- bad input is refused, and nothing changes -------------------------------
 

@@ -17,8 +17,9 @@ from .. import _C
 
 STATE_DTYPES = ("fp32", "bf16", "int8")
 QBLOCK = _C.QBLOCK
-# Stochastic rounding keeps small updates to a moment from being rounded
-# away step after step (bf16's 8 bits of mantissa, int8's codes).
+# Stochastic rounding keeps exp_avg_sq's small updates (1 - beta2 of it)
+# from being rounded away step after step (bf16's 8 bits of mantissa, int8's
+# codes); exp_avg, whose steps are wide, rounds to nearest under either.
 ROUNDING = {"bf16": "stochastic", "int8": "stochastic"}
 # The dtype each moment is stored in, by state_dtype.
 STORED = {
