@@ -143,6 +143,10 @@ SIMD_INLINE simd_f32 simd_abs(simd_f32 a) { return _mm512_abs_ps(a); }
 /* a NaN in a yields b, in either: b (x86's max/min) */
 SIMD_INLINE simd_f32 simd_max(simd_f32 a, simd_f32 b) { return _mm512_max_ps(a, b); }
 SIMD_INLINE simd_f32 simd_min(simd_f32 a, simd_f32 b) { return _mm512_min_ps(a, b); }
+SIMD_INLINE simd_f32 simd_max_bits(simd_f32 a, simd_f32 b)
+{
+    return _mm512_castsi512_ps(_mm512_max_epu32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+}
 
 /* W exp_avg codes as q * |q|, and W exp_avg_sq codes as q * q (exact in fp32) */
 SIMD_INLINE simd_f32 simd_q_signed_square_load(const int8_t *x)

@@ -7,11 +7,12 @@
  *
  * The moments are updated with the reference's fp32 operations, so a level
  * gets the reference's bf16 moments bit for bit. Square roots and
- * divisions are the reciprocal estimates of the layer: on 2 cores a divider
+ * divisions are the reciprocal estimates of the layer, and an int8 code is
+ * decoded by one product per block instead of two: on 2 cores a divider
  * per element (and two more square roots per int8 element) cost more than
- * the bytes saved. The master and the int8 codes therefore differ from the
- * reference in the last bits (a code by one where its position sits within
- * ~1e-3 of a cut). Every element, tails included, takes the vector path, so
+ * the bytes saved. The master, the int8 scales and codes therefore differ
+ * from the reference in the last bits (a code by one where its position
+ * sits within ~1e-3 of a cut). Every element, tails included, takes the vector path, so
  * a level gives the same bits wherever a shard part starts.
  *
  * The layer adds to simd_chunk_bodies.h's:
@@ -25,6 +26,9 @@
  *   simd_i32_mul (low 32 bits), simd_i32_shr16
  *   simd_f32_to_i32_nearest (ties to even), simd_f32_to_i32_trunc
  *   simd_abs, simd_max, simd_min             x86's: a NaN in a yields b
+ *   simd_max_bits(a, b)      the lane whose bits are the larger unsigned: for
+ *                            floats without a sign bit their order, with Inf
+ *                            and then every NaN (of either sign) above all
  *   simd_q_signed_square_load   W int8 codes q as float(q * |q|)
  *   simd_q_square_load          W uint8 codes q as float(q * q)
  *   simd_q_signed_store         W codes (|q| <= 127), negated by a float's sign
@@ -225,26 +229,17 @@ SIMD_INLINE void bf16_loop(const rlhfz_adamw_lowp_shard *shard, const rlhfz_adam
 
 /* ---- int8 moments --------------------------------------------------------- */
 
-/* The largest lane of x (lanes compared as the scalar loop compares them). */
+/* The largest lane of x, by simd_max_bits's order. */
 SIMD_INLINE float largest_lane(simd_f32 x)
 {
     float lanes[W];
     simd_storeu(lanes, x);
-    float largest = lanes[0];
-    for (int j = 1; j < W; j++)
-        largest = lanes[j] > largest ? lanes[j] : largest;
-    return largest;
-}
-
-/* Whether every lane of a sum of (x * 0) terms is still 0: none was Inf or NaN. */
-SIMD_INLINE int all_finite(simd_f32 sum)
-{
-    float lanes[W];
-    simd_storeu(lanes, sum);
-    for (int j = 0; j < W; j++)
-        if (lanes[j] != 0.0f)
-            return 0;
-    return 1;
+    uint32_t largest = 0;
+    for (int j = 0; j < W; j++) {
+        uint32_t bits = rlhfz_f32_bits(lanes[j]);
+        largest = bits > largest ? bits : largest;
+    }
+    return rlhfz_f32_from_bits(largest);
 }
 
 /* W codes of one moment at x = top * position (position in [0, 1]):
@@ -293,35 +288,30 @@ SIMD_INLINE void int8_block(const rlhfz_adamw_lowp_shard *shard, const lowp_vcon
     /* the new exp_avg, and estimates of exp_avg_sq^(1/4) (the position of
      * its code is that over the scale's square root) */
     float moments[RLHFZ_QBLOCK], fourth_roots[RLHFZ_QBLOCK];
-    simd_f32 scale = simd_set1(shard->exp_avg_scale[index]);
-    simd_f32 sq_scale = simd_set1(shard->exp_avg_sq_scale[index]);
 
-    /* decode, step, and find the new scales */
-    simd_f32 zero = simd_set1(0.0f);
-    simd_f32 largest = zero, v_largest = zero, nonfinite = zero, sq_nonfinite = zero;
-    /* the codes' fractions of their scales, as rlhfz_q_exp_avg_value takes them */
-    simd_f32 exp_avg_unit = simd_set1(1.0f / (127.0f * 127.0f));
-    simd_f32 sq_unit = simd_set1(1.0f / (255.0f * 255.0f));
+    /* decode, step, and find the new scales. A code's value is its fraction
+     * (rlhfz_q_exp_avg_value) times the scale in one product: one rounding
+     * more than the reference, an ulp at most. */
+    simd_f32 m_decode = simd_set1(shard->exp_avg_scale[index] * (1.0f / (127.0f * 127.0f)));
+    simd_f32 root_decode = simd_set1(shard->exp_avg_sq_scale[index] * (1.0f / (255.0f * 255.0f)));
+    /* |exp_avg| and exp_avg_sq have no sign bit, or are NaN: their largest
+     * bits are their largest value, and Inf or NaN if any lane is */
+    simd_f32 largest = simd_set1(0.0f), v_largest = largest;
     for (size_t i = begin; i < end; i += W) {
-        simd_f32 m = simd_mul(simd_mul(simd_q_signed_square_load(codes + i), exp_avg_unit), scale);
-        simd_f32 root = simd_mul(simd_mul(simd_q_square_load(sq_codes + i), sq_unit), sq_scale);
+        simd_f32 m = simd_mul(simd_q_signed_square_load(codes + i), m_decode);
+        simd_f32 root = simd_mul(simd_q_square_load(sq_codes + i), root_decode);
         simd_f32 v = simd_mul(root, root);
         simd_f32 r = lowp_step_vec(shard, k, i, grad_dtype, out, &m, &v);
         r = simd_rsqrt_refine(simd_max(v, k->smallest), r);
         simd_storeu(moments + (i - begin), m);
         simd_storeu(fourth_roots + (i - begin), simd_rsqrt_fine(r));
-
-        /* x * 0 is NaN just where x is Inf or NaN; summed, it stays NaN */
-        largest = simd_max(simd_abs(m), largest);
-        nonfinite = simd_fmadd(m, zero, nonfinite);
-        v_largest = simd_max(v, v_largest);
-        sq_nonfinite = simd_fmadd(v, zero, sq_nonfinite);
+        largest = simd_max_bits(largest, simd_abs(m));
+        v_largest = simd_max_bits(v_largest, v);
     }
     /* the scales, exactly: sqrt is monotone, so the largest root is the
      * root of the largest v */
     float m_largest = largest_lane(largest), sq_largest = sqrtf(largest_lane(v_largest));
-    int finite = all_finite(nonfinite) && isfinite(m_largest);
-    int sq_finite = all_finite(sq_nonfinite) && isfinite(sq_largest);
+    int finite = isfinite(m_largest), sq_finite = isfinite(sq_largest);
     float encode = rlhfz_q_encode(m_largest, finite, &shard->exp_avg_scale[index]);
     float sq_encode = rlhfz_q_encode(sq_largest, sq_finite, &shard->exp_avg_sq_scale[index]);
 

@@ -343,9 +343,12 @@ def test_simd_levels_keep_to_the_reference(level, grad_scale, n, seed, state_dty
         # the step's reciprocal estimates are good to ~2^-11 of each update
         assert torch.all((state.master - ref.master).abs() <= 2e-3 * moved + ulps(ref.master))
         return
-    # int8: the same moments, so the same scales; a code moves by one where the
-    # estimate and the exact root straddle a cut (~1% of elements)
-    assert torch.equal(state.scales, ref.scales) and torch.equal(state.sq_scales, ref.sq_scales)
+    # int8: a code decodes by one product, an ulp off, so the scales are a few
+    # ulps off; a code moves by one where the estimate and the exact root
+    # straddle a cut (~1% of elements)
+    for got, want in ((state.scales, ref.scales), (state.sq_scales, ref.sq_scales)):
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got == 0, want == 0)
+        assert torch.all((got - want).abs().nan_to_num() <= ulps(want, 4))
     for got, want in ((state.exp_avg, ref.exp_avg), (state.exp_avg_sq, ref.exp_avg_sq)):
         diff = (got.int() - want.int()).abs()
         assert int(diff.max()) <= 1
