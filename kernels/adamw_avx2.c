@@ -135,7 +135,6 @@ SIMD_INLINE simd_i32 simd_i32_loadu(const uint32_t *x)
 }
 SIMD_INLINE simd_i32 simd_i32_xor(simd_i32 a, simd_i32 b) { return _mm256_xor_si256(a, b); }
 SIMD_INLINE simd_i32 simd_i32_add(simd_i32 a, simd_i32 b) { return _mm256_add_epi32(a, b); }
-SIMD_INLINE simd_i32 simd_i32_min(simd_i32 a, simd_i32 b) { return _mm256_min_epi32(a, b); }
 SIMD_INLINE simd_i32 simd_i32_mul(simd_i32 a, simd_i32 b) { return _mm256_mullo_epi32(a, b); }
 SIMD_INLINE simd_i32 simd_i32_shr16(simd_i32 a) { return _mm256_srli_epi32(a, 16); }
 /* to nearest even under the default MXCSR, as nearbyintf */
@@ -165,15 +164,18 @@ SIMD_INLINE simd_f32 simd_q_square_load(const uint8_t *x)
     __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)x));
     return _mm256_cvtepi32_ps(_mm256_mullo_epi32(q, q));
 }
-/* W codes, |q| <= 127, negated where sign_of has its sign bit set */
-SIMD_INLINE void simd_q_signed_store(int8_t *x, simd_i32 q, simd_f32 sign_of)
+/* W codes: x (|x| < 127.5) rounded to nearest even and negated where
+ * sign_of has its sign bit set; nearest even is symmetric, so the sign goes
+ * onto x first */
+SIMD_INLINE void simd_q_signed_store(int8_t *x, simd_f32 position, simd_f32 sign_of)
 {
-    __m256i negative = _mm256_srai_epi32(_mm256_castps_si256(sign_of), 31);
-    q = _mm256_sub_epi32(_mm256_xor_si256(q, negative), negative);
+    __m256i sign = _mm256_and_si256(_mm256_castps_si256(sign_of), _mm256_set1_epi32(INT32_MIN));
+    __m256i q = _mm256_cvtps_epi32(_mm256_castsi256_ps(
+        _mm256_or_si256(_mm256_castps_si256(position), sign)));
     __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
     _mm_storel_epi64((__m128i *)x, _mm_packs_epi16(words, words));
 }
-/* W codes in 0..255 */
+/* W codes, above 255 saturating to 255 */
 SIMD_INLINE void simd_q_unsigned_store(uint8_t *x, simd_i32 q)
 {
     __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));

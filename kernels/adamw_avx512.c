@@ -132,7 +132,6 @@ SIMD_INLINE simd_i32 simd_i32_lanes(uint32_t base)
 SIMD_INLINE simd_i32 simd_i32_loadu(const uint32_t *x) { return _mm512_loadu_si512(x); }
 SIMD_INLINE simd_i32 simd_i32_xor(simd_i32 a, simd_i32 b) { return _mm512_xor_si512(a, b); }
 SIMD_INLINE simd_i32 simd_i32_add(simd_i32 a, simd_i32 b) { return _mm512_add_epi32(a, b); }
-SIMD_INLINE simd_i32 simd_i32_min(simd_i32 a, simd_i32 b) { return _mm512_min_epi32(a, b); }
 SIMD_INLINE simd_i32 simd_i32_mul(simd_i32 a, simd_i32 b) { return _mm512_mullo_epi32(a, b); }
 SIMD_INLINE simd_i32 simd_i32_shr16(simd_i32 a) { return _mm512_srli_epi32(a, 16); }
 /* to nearest even under the default MXCSR, as nearbyintf */
@@ -159,17 +158,20 @@ SIMD_INLINE simd_f32 simd_q_square_load(const uint8_t *x)
     __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)x)));
     return _mm512_mul_ps(q, q);
 }
-/* W codes, |q| <= 127, negated where sign_of has its sign bit set */
-SIMD_INLINE void simd_q_signed_store(int8_t *x, simd_i32 q, simd_f32 sign_of)
+/* W codes: x (|x| < 127.5) rounded to nearest even and negated where
+ * sign_of has its sign bit set; nearest even is symmetric, so the sign goes
+ * onto x first */
+SIMD_INLINE void simd_q_signed_store(int8_t *x, simd_f32 position, simd_f32 sign_of)
 {
-    __mmask16 negative = _mm512_movepi32_mask(_mm512_castps_si512(sign_of));
-    q = _mm512_mask_sub_epi32(q, negative, _mm512_setzero_si512(), q);
-    _mm_storeu_si128((__m128i *)x, _mm512_cvtepi32_epi8(q));
+    __m512i sign = _mm512_and_si512(_mm512_castps_si512(sign_of), _mm512_set1_epi32(INT32_MIN));
+    __m512i q = _mm512_cvtps_epi32(_mm512_castsi512_ps(
+        _mm512_or_si512(_mm512_castps_si512(position), sign)));
+    _mm_storeu_si128((__m128i *)x, _mm512_cvtsepi32_epi8(q));
 }
-/* W codes in 0..255 */
+/* W codes, above 255 saturating to 255 */
 SIMD_INLINE void simd_q_unsigned_store(uint8_t *x, simd_i32 q)
 {
-    _mm_storeu_si128((__m128i *)x, _mm512_cvtepi32_epi8(q));
+    _mm_storeu_si128((__m128i *)x, _mm512_cvtusepi32_epi8(q));
 }
 
 /* Stochastic rounding to bf16, as rlhfz_f32_to_bf16_stochastic: a NaN (or a

@@ -22,7 +22,7 @@
  *   simd_rsqrt_refine(x, r)  r (simd_rsqrt_est(x)) brought to simd_rsqrt_fine's precision
  *   simd_i32                 W 32-bit integers
  *   simd_i32_set1, simd_i32_lanes(base)      a constant; base, base + 1, ...
- *   simd_i32_loadu, simd_i32_xor, simd_i32_add, simd_i32_min (signed),
+ *   simd_i32_loadu, simd_i32_xor, simd_i32_add,
  *   simd_i32_mul (low 32 bits), simd_i32_shr16
  *   simd_f32_to_i32_nearest (ties to even), simd_f32_to_i32_trunc
  *   simd_abs, simd_max, simd_min             x86's: a NaN in a yields b
@@ -31,8 +31,9 @@
  *                            and then every NaN (of either sign) above all
  *   simd_q_signed_square_load   W int8 codes q as float(q * |q|)
  *   simd_q_square_load          W uint8 codes q as float(q * q)
- *   simd_q_signed_store         W codes (|q| <= 127), negated by a float's sign
- *   simd_q_unsigned_store       W codes in 0..255
+ *   simd_q_signed_store         W codes: positions (< 127.5) to nearest even,
+ *                               negated by a float's sign
+ *   simd_q_unsigned_store       W codes, above 255 saturating to 255
  *   simd_narrow_bf16_stochastic simd_f32 -> bf16 with 16 random bits per lane,
  *                               as rlhfz_f32_to_bf16_stochastic
  */
@@ -242,15 +243,15 @@ SIMD_INLINE float largest_lane(simd_f32 x)
     return rlhfz_f32_from_bits(largest);
 }
 
-/* W codes of one moment at x = top * position (position in [0, 1]):
- * nearest, or up with probability of the distance from 16 random bits, as
- * rlhfz_q_code. For stochastic rounding x is in 1/65536ths. */
-SIMD_INLINE simd_i32 code_vec(simd_f32 x, int top, int stochastic, simd_i32 random16)
+/* W exp_avg_sq codes at x = 255 * position (position in [0, 1]): nearest,
+ * or up with probability of the distance from 16 random bits, as
+ * rlhfz_q_code; x in 1/65536ths for stochastic rounding. A code above 255
+ * (by rounding) saturates in the store. */
+SIMD_INLINE simd_i32 sq_code_vec(simd_f32 x, int stochastic, simd_i32 random16)
 {
     if (!stochastic)
-        return simd_i32_min(simd_f32_to_i32_nearest(x), simd_i32_set1((uint32_t)top));
-    simd_i32 q = simd_i32_shr16(simd_i32_add(simd_f32_to_i32_trunc(x), random16));
-    return simd_i32_min(q, simd_i32_set1((uint32_t)top));
+        return simd_f32_to_i32_nearest(x);
+    return simd_i32_shr16(simd_i32_add(simd_f32_to_i32_trunc(x), random16));
 }
 
 /* A block's codes against its new scales: exp_avg's position is sqrt(t)
@@ -265,16 +266,18 @@ SIMD_INLINE void int8_codes(const rlhfz_adamw_lowp_shard *shard, const lowp_vcon
     uint8_t *sq_codes = shard->exp_avg_sq;
     float top = RLHFZ_Q_EXP_AVG_MAX, sq_top = RLHFZ_Q_EXP_AVG_SQ_MAX;
     simd_f32 encode_vec = simd_set1(encode * (top * top));
-    simd_f32 sq_encode_vec = simd_set1(sqrtf(sq_encode) * sq_top * (stochastic ? 65536.0f : 1.0f));
+    float fixed = stochastic ? 65536.0f : 1.0f;   /* stochastic positions in 1/65536ths */
+    simd_f32 sq_encode_vec = simd_set1(sqrtf(sq_encode) * sq_top * fixed);
     simd_i32 none = simd_i32_set1(0);
     for (size_t i = begin; i < end; i += W) {
         simd_f32 m = simd_loadu(moments + (i - begin));
         simd_f32 t = simd_mul(simd_abs(m), encode_vec);
-        simd_f32 x = simd_mul(t, simd_rsqrt_fine(simd_max(t, k->smallest)));
-        simd_q_signed_store(codes + i, code_vec(x, (int)top, 0, none), m);
+        /* the estimate is good to 2^-14: a position stays under 127.5 */
+        simd_q_signed_store(codes + i, simd_mul(t, simd_rsqrt_fine(simd_max(t, k->smallest))),
+                            m);
         simd_f32 sq_x = simd_mul(simd_loadu(fourth_roots + (i - begin)), sq_encode_vec);
         simd_i32 random16 = stochastic ? random16_vec(shard, i) : none;
-        simd_q_unsigned_store(sq_codes + i, code_vec(sq_x, (int)sq_top, stochastic, random16));
+        simd_q_unsigned_store(sq_codes + i, sq_code_vec(sq_x, stochastic, random16));
     }
 }
 
