@@ -74,25 +74,18 @@ SIMD_INLINE simd_half narrow_bf16_bits(__m256i high)
     return _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1));
 }
 
-/* The top halves of x's bits after adding `carry` below them; a NaN keeps
+/* Round to nearest even by integer add (see rlhfz_f32_to_bf16); a NaN keeps
  * its top bits and gets the quiet bit instead. */
-SIMD_INLINE simd_half narrow_bf16_adding(simd_f32 x, __m256i carry)
+SIMD_INLINE simd_half simd_narrow_bf16(simd_f32 x)
 {
     __m256i bits = _mm256_castps_si256(x);
-    __m256i rounded = _mm256_add_epi32(bits, carry);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
     __m256i quieted = _mm256_or_si256(bits, _mm256_set1_epi32(0x00400000));
     __m256 is_nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
     __m256i chosen = _mm256_castps_si256(_mm256_blendv_ps(
         _mm256_castsi256_ps(rounded), _mm256_castsi256_ps(quieted), is_nan));
     return narrow_bf16_bits(_mm256_srli_epi32(chosen, 16));
-}
-
-/* Round to nearest even by integer add (see rlhfz_f32_to_bf16). */
-SIMD_INLINE simd_half simd_narrow_bf16(simd_f32 x)
-{
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(x), 16),
-                                   _mm256_set1_epi32(1));
-    return narrow_bf16_adding(x, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
 }
 
 SIMD_INLINE simd_f32 simd_widen_f16(simd_half h) { return _mm256_cvtph_ps(h); }
@@ -127,7 +120,8 @@ typedef __m256i simd_i32;
 SIMD_INLINE simd_i32 simd_i32_set1(uint32_t a) { return _mm256_set1_epi32((int)a); }
 SIMD_INLINE simd_i32 simd_i32_lanes(uint32_t base)
 {
-    return _mm256_add_epi32(_mm256_set1_epi32((int)base), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm256_add_epi32(_mm256_set1_epi32((int)base),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 SIMD_INLINE simd_i32 simd_i32_loadu(const uint32_t *x)
 {

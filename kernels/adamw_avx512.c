@@ -73,23 +73,16 @@ SIMD_INLINE simd_f32 simd_widen_bf16(simd_half h)
 /* Lanes below 2^16 as 16-bit lanes. */
 SIMD_INLINE simd_half narrow_bf16_bits(__m512i high) { return _mm512_cvtepi32_epi16(high); }
 
-/* The top halves of x's bits after adding `carry` below them; a NaN keeps
+/* Round to nearest even by integer add (see rlhfz_f32_to_bf16); a NaN keeps
  * its top bits and gets the quiet bit instead. */
-SIMD_INLINE simd_half narrow_bf16_adding(simd_f32 x, __m512i carry)
+SIMD_INLINE simd_half simd_narrow_bf16(simd_f32 x)
 {
     __m512i bits = _mm512_castps_si512(x);
-    __m512i rounded = _mm512_add_epi32(bits, carry);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
     __mmask16 is_nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     __m512i chosen = _mm512_mask_or_epi32(rounded, is_nan, bits, _mm512_set1_epi32(0x00400000));
     return narrow_bf16_bits(_mm512_srli_epi32(chosen, 16));
-}
-
-/* Round to nearest even by integer add (see rlhfz_f32_to_bf16). */
-SIMD_INLINE simd_half simd_narrow_bf16(simd_f32 x)
-{
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(x), 16),
-                                   _mm512_set1_epi32(1));
-    return narrow_bf16_adding(x, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
 }
 
 SIMD_INLINE simd_f32 simd_widen_f16(simd_half h) { return _mm512_cvtph_ps(h); }
