@@ -35,14 +35,10 @@ struct lowp_rounding {
 
 /* ---- kernels -------------------------------------------------------------- */
 
-/* Element i's 16 random bits, for its exp_avg_sq. Rounding to nearest draws
- * none. */
+/* Element i's 16 random bits, for its exp_avg_sq. */
 __device__ __forceinline__ uint32_t lowp_random16(const lowp_rounding &r, size_t i)
 {
-    if (r.rounding != RLHFZ_ROUND_STOCHASTIC)
-        return 0;
-    uint64_t index = r.index_base + i;
-    return rlhfz_round_bits16(rlhfz_index_key(r.key, index), index);
+    return rlhfz_element_random16(r.rounding, r.key, r.index_base + i);
 }
 
 /* One element over bf16 moments: the step from the decoded moments m and v,

@@ -37,8 +37,7 @@ static float step_element(const rlhfz_adamw_lowp_shard *shard, const rlhfz_adamw
 
 static uint32_t random16(const rlhfz_adamw_lowp_shard *shard, size_t i)
 {
-    uint64_t index = shard->index_base + i;
-    return rlhfz_round_bits16(rlhfz_index_key(shard->rounding_key, index), index);
+    return rlhfz_element_random16(shard->rounding, shard->rounding_key, shard->index_base + i);
 }
 
 static void bf16_reference(const rlhfz_adamw_lowp_shard *shard, const rlhfz_adamw_hparams *hp)

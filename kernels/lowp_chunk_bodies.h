@@ -64,7 +64,7 @@ SIMD_INLINE simd_i32 random16_vec(const rlhfz_adamw_lowp_shard *shard, size_t i)
     }
     uint32_t lanes[W];
     for (int j = 0; j < W; j++)
-        lanes[j] = rlhfz_round_bits16(rlhfz_index_key(shard->rounding_key, index + j), index + j);
+        lanes[j] = rlhfz_element_random16(shard->rounding, shard->rounding_key, index + j);
     return simd_i32_loadu(lanes);
 }
 

@@ -63,8 +63,8 @@ void rlhfz_lowp_bf16_chunk_scalar(const rlhfz_adamw_lowp_shard *shard,
         float v = rlhfz_bf16_to_f32(exp_avg_sq[i]);
         element_step(shard, c, i, &m, &v);
 
-        uint64_t index = shard->index_base + i;
-        uint32_t random16 = rlhfz_round_bits16(rlhfz_index_key(shard->rounding_key, index), index);
+        uint32_t random16 = rlhfz_element_random16(shard->rounding, shard->rounding_key,
+                                                   shard->index_base + i);
         exp_avg[i] = rlhfz_bf16_exp_avg(m);
         exp_avg_sq[i] = rlhfz_bf16_exp_avg_sq(v, shard->rounding, random16);
     }
@@ -73,8 +73,8 @@ void rlhfz_lowp_bf16_chunk_scalar(const rlhfz_adamw_lowp_shard *shard,
 static void int8_encode(const rlhfz_adamw_lowp_shard *shard, size_t i, float exp_avg,
                         float exp_avg_root, float exp_avg_encode, float exp_avg_sq_encode)
 {
-    uint64_t index = shard->index_base + i;
-    uint32_t random16 = rlhfz_round_bits16(rlhfz_index_key(shard->rounding_key, index), index);
+    uint32_t random16 = rlhfz_element_random16(shard->rounding, shard->rounding_key,
+                                               shard->index_base + i);
     ((int8_t *)shard->exp_avg)[i] = rlhfz_q_exp_avg_code(exp_avg, exp_avg_encode);
     ((uint8_t *)shard->exp_avg_sq)[i] =
         rlhfz_q_exp_avg_sq_code(exp_avg_root, exp_avg_sq_encode, shard->rounding, random16);

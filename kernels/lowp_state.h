@@ -94,6 +94,16 @@ static inline RLHFZ_HOST_DEVICE uint32_t rlhfz_round_bits16(uint32_t index_key, 
     return (((uint32_t)index ^ index_key) * 0x9E3779B1u) >> 16;
 }
 
+/* Element `index`'s 16 random bits under `rounding` and the rounding key;
+ * rounding to nearest draws none. */
+static inline RLHFZ_HOST_DEVICE uint32_t rlhfz_element_random16(rlhfz_rounding rounding,
+                                                                uint32_t key, uint64_t index)
+{
+    if (rounding != RLHFZ_ROUND_STOCHASTIC)
+        return 0;
+    return rlhfz_round_bits16(rlhfz_index_key(key, index), index);
+}
+
 /* ---- bf16 moments --------------------------------------------------------- */
 
 /* Stochastic: 16 random bits added below the kept half carry into it with
