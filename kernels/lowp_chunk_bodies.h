@@ -12,8 +12,8 @@
  * per element (and two more square roots per int8 element) cost more than
  * the bytes saved. The master, the int8 scales and codes therefore differ
  * from the reference in the last bits (a code by one where its position
- * sits within ~1e-3 of a cut). Every element, tails included, takes the vector path, so
- * a level gives the same bits wherever a shard part starts.
+ * sits within ~1e-3 of a cut). Every element, tails included, takes the
+ * vector path, so a level gives the same bits wherever a shard part starts.
  *
  * The layer adds to simd_chunk_bodies.h's:
  *   simd_fmadd(a, b, c) a * b + c, simd_fnmadd(a, b, c) c - a * b (fused)
