@@ -9,25 +9,22 @@ bytes of moments it keeps per param (scales and maps included). fp32
 traffic is 28 bytes per param; bf16 moments make it 20 and int8 about 16,
 ceilings of 1.4x and 1.75x.
 
-The same rounds time traffic_floor.c: a pass that moves each state width's
-bytes with no AdamW arithmetic. torch fused's time over its bf16 and int8
-times is the most that fewer bytes can buy against torch on this machine
-at the time: the real ceilings beside the nominal ones, which move with the
-VM's memory.
+The same rounds time rlhfz's traffic bound (_C.adamw_traffic_bound) at each
+state width: the step's loads and stores with no AdamW arithmetic. torch
+fused's time over its bf16 and int8 times is the most that fewer bytes can
+buy against torch on this machine at the time: the real ceilings beside the
+nominal ones, which move with the VM's memory.
 
 A peer that does not run here is recorded with the reason.
 
 Run: python -m pytest benchmarks/test_bench_state_dtype.py -q
 """
-import ctypes
 import gc
-import pathlib
-import shutil
-import subprocess
 
 import torch
 
 import rlhfz
+from rlhfz import _C
 from cpu_timing import fresh_grads, interleaved_best
 
 TENSORS, ROUNDS, THREADS = 8, 10, 2
@@ -76,34 +73,17 @@ def _peers() -> tuple[dict, dict]:
     return made, missing
 
 
-FLOOR_SOURCE = pathlib.Path(__file__).with_name("traffic_floor.c")
-STATE_BYTES = {"fp32": 4, "bf16": 2, "int8": 1}
+# the stored width of each state's moments (int8's scales add 4 bytes a block)
+MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
 
 
-def _traffic_floor(build_dir) -> tuple[dict, str | None]:
-    """({"floor_<dtype>": one pass}, None), or ({}, why it does not run)."""
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        return {}, "no C compiler to build traffic_floor.c"
-    library = pathlib.Path(build_dir) / "traffic_floor.so"
-    built = subprocess.run([compiler, "-std=gnu11", "-O3", "-march=native", "-shared",
-                            "-fPIC", "-pthread", str(FLOOR_SOURCE), "-o", str(library)],
-                           capture_output=True, text=True)
-    if built.returncode != 0:
-        return {}, f"traffic_floor.c does not build: {built.stderr.strip()}"[:200]
-    lib = ctypes.CDLL(str(library))
-    lib.traffic_pass.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_size_t, ctypes.c_int,
-                                                         ctypes.c_int]
-    # master, grad, exp_avg, exp_avg_sq; a narrower state uses the front bytes
-    tensors = [torch.zeros(PARAMS) for _ in range(4)]
-
-    def one_pass(state_bytes):
-        def run():
-            pointers = [t.data_ptr() for t in tensors]
-            if lib.traffic_pass(*pointers, PARAMS, state_bytes, THREADS) != 0:
-                raise RuntimeError("traffic_pass refused its arguments")
-        return run
-    return {f"floor_{dtype}": one_pass(size) for dtype, size in STATE_BYTES.items()}, None
+def _traffic_floors() -> dict:
+    """{"floor_<dtype>": one pass of the traffic bound at that moment width}."""
+    master, grad = torch.zeros(PARAMS), torch.zeros(PARAMS)
+    moments = {dtype: (torch.zeros(PARAMS, dtype=width), torch.zeros(PARAMS, dtype=width))
+               for dtype, width in MOMENT_DTYPES.items()}
+    return {f"floor_{dtype}": (lambda m=m, v=v: _C.adamw_traffic_bound(master, grad, m, v))
+            for dtype, (m, v) in moments.items()}
 
 
 def _stepper(opt):
@@ -113,7 +93,7 @@ def _stepper(opt):
     return step
 
 
-def test_state_dtypes_against_torch_and_8bit_peers(benchmark, tmp_path):
+def test_state_dtypes_against_torch_and_8bit_peers(benchmark):
     benchmark.group = "adamw-cpu-state-dtype-50M"
     saved_threads = torch.get_num_threads(), rlhfz.get_num_threads()
     torch.set_num_threads(THREADS)
@@ -125,9 +105,7 @@ def test_state_dtypes_against_torch_and_8bit_peers(benchmark, tmp_path):
         opts["torch_fused"] = torch.optim.AdamW(_params(), lr=1e-3, fused=True)
         peers, missing = _peers()
         fns = {name: _stepper(opt) for name, opt in opts.items()}
-        floors, floor_missing = _traffic_floor(tmp_path)
-        if floor_missing:
-            missing["traffic_floor"] = floor_missing
+        floors = _traffic_floors()
         best = interleaved_best({**fns, **floors}, ROUNDS)
         slow = {name: _stepper(opt) for name, opt in peers.items()}
         for name, opt in peers.items():
@@ -135,12 +113,11 @@ def test_state_dtypes_against_torch_and_8bit_peers(benchmark, tmp_path):
                 best.update(interleaved_best({name: slow[name]}, SLOW_ROUNDS))
             except Exception as error:
                 missing[name] = f"{type(error).__name__}: {error}"[:200]
-        if floors:
-            benchmark.extra_info["traffic_floor"] = {
-                dtype: {"ms": round(best[f"floor_{dtype}"] * 1e3, 2),
-                        "vs_fp32_floor": round(best["floor_fp32"] / best[f"floor_{dtype}"], 3),
-                        "vs_torch_fused": round(best["torch_fused"] / best[f"floor_{dtype}"], 3)}
-                for dtype in STATE_BYTES}
+        benchmark.extra_info["traffic_floor"] = {
+            dtype: {"ms": round(best[f"floor_{dtype}"] * 1e3, 2),
+                    "vs_fp32_floor": round(best["floor_fp32"] / best[f"floor_{dtype}"], 3),
+                    "vs_torch_fused": round(best["torch_fused"] / best[f"floor_{dtype}"], 3)}
+            for dtype in MOMENT_DTYPES}
         for name in floors:
             del best[name]
         for name, seconds in best.items():

@@ -198,12 +198,14 @@ static PyObject *adamw_traffic_bound(PyObject *module, PyObject *const *args, Py
         return NULL;
     rlhfz_borrowed b = {.count = 0};
     rlhfz_array *p, *g, *m, *v;
+    /* moments of any width: 1-byte ones stand for int8 codes */
+    int moments = RLHFZ_BORROW_WRITABLE | RLHFZ_BORROW_CODES;
     if ((p = borrow(module, &b, slots[0], "p", 1)) == NULL ||
         (g = borrow(module, &b, slots[1], "g", 0)) == NULL ||
-        (m = borrow(module, &b, slots[2], "m", 1)) == NULL ||
-        (v = borrow(module, &b, slots[3], "v", 1)) == NULL ||
-        rlhfz_check_dtype(p, "p", RLHFZ_DTYPE_F32) < 0 || rlhfz_check_dtype(g, "g", RLHFZ_DTYPE_F32) < 0 ||
-        rlhfz_check_dtype(m, "m", RLHFZ_DTYPE_F32) < 0 || rlhfz_check_dtype(v, "v", RLHFZ_DTYPE_F32) < 0 ||
+        (m = rlhfz_borrow(module, &b, slots[2], "m", moments, RLHFZ_PLACE_HOST, NULL)) == NULL ||
+        (v = rlhfz_borrow(module, &b, slots[3], "v", moments, RLHFZ_PLACE_HOST, NULL)) == NULL ||
+        rlhfz_check_dtype(p, "p", RLHFZ_DTYPE_F32) < 0 ||
+        rlhfz_check_dtype(g, "g", RLHFZ_DTYPE_F32) < 0 || rlhfz_check_dtype(v, "v", m->dtype) < 0 ||
         rlhfz_check_numel(g, "g", p->numel, "p") < 0 || rlhfz_check_numel(m, "m", p->numel, "p") < 0 ||
         rlhfz_check_numel(v, "v", p->numel, "p") < 0 ||
         rlhfz_check_disjoint(p, "p", m, "m") < 0 || rlhfz_check_disjoint(p, "p", v, "v") < 0 ||
@@ -214,7 +216,8 @@ static PyObject *adamw_traffic_bound(PyObject *module, PyObject *const *args, Py
     }
     rlhfz_status status;
     Py_BEGIN_ALLOW_THREADS
-    status = rlhfz_adamw_traffic_bound_cpu(p->data, g->data, m->data, v->data, p->numel);
+    status = rlhfz_adamw_traffic_bound_cpu(p->data, g->data, m->data, v->data,
+                                           rlhfz_dtype_size(m->dtype), p->numel);
     Py_END_ALLOW_THREADS
     rlhfz_borrowed_release(&b);
     if (rlhfz_raise_status(status, "adamw_traffic_bound") < 0)
@@ -249,6 +252,7 @@ PyMethodDef rlhfz_cpu_ops_methods[] = {
     {"adamw_traffic_bound", (PyCFunction)(void (*)(void))adamw_traffic_bound,
      METH_FASTCALL | METH_KEYWORDS,
      "adamw_traffic_bound(p, g, m, v): AdamW's memory traffic with trivial arithmetic;\n"
-     "the bandwidth ceiling of an AdamW step on this machine."},
+     "the bandwidth ceiling of an AdamW step on this machine. p and g are float32; m and\n"
+     "v share a dtype of 4, 2 or 1 bytes, the moments' width (their bits only move)."},
     {NULL, NULL, 0, NULL},
 };

@@ -225,26 +225,28 @@ rlhfz_status rlhfz_cast_cpu(const void *src, rlhfz_dtype src_dtype, void *dst,
 typedef struct {
     float *p;
     const float *g;
-    float *m;
-    float *v;
-    void (*chunk)(float *, const float *, float *, float *, size_t, size_t);
+    void *m;
+    void *v;
+    size_t moment_bytes;
+    void (*chunk)(float *, const float *, void *, void *, size_t, size_t, size_t);
 } traffic_job;
 
 static void traffic_range(void *ctx, size_t begin, size_t end)
 {
     const traffic_job *job = ctx;
-    job->chunk(job->p, job->g, job->m, job->v, begin, end);
+    job->chunk(job->p, job->g, job->m, job->v, job->moment_bytes, begin, end);
 }
 
-rlhfz_status rlhfz_adamw_traffic_bound_cpu(float *p, const float *g, float *m, float *v,
-                                           size_t n)
+rlhfz_status rlhfz_adamw_traffic_bound_cpu(float *p, const float *g, void *m, void *v,
+                                           size_t moment_bytes, size_t n)
 {
-    if (n > 0 && (!p || !g || !m || !v))
+    if ((n > 0 && (!p || !g || !m || !v)) ||
+        !(moment_bytes == 4 || moment_bytes == 2 || moment_bytes == 1))
         return RLHFZ_ERR_INVALID;
     if (n == 0)
         return RLHFZ_OK;
 
-    traffic_job job = {.p = p, .g = g, .m = m, .v = v,
+    traffic_job job = {.p = p, .g = g, .m = m, .v = v, .moment_bytes = moment_bytes,
                        .chunk = CHUNK_FOR(traffic, rlhfz_simd_detect())};
     return rlhfz_parallel_for(n, RLHFZ_GRAIN, traffic_range, &job);
 }

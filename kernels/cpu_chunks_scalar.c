@@ -71,12 +71,20 @@ void rlhfz_cast_chunk_scalar(const void *src, rlhfz_dtype src_dtype, void *dst,
         rlhfz_store_f32(dst, dst_dtype, i, rlhfz_load_f32(src, src_dtype, i));
 }
 
-void rlhfz_traffic_chunk_scalar(float *p, const float *g, float *m, float *v, size_t begin,
-                                size_t end)
+void rlhfz_traffic_chunk_scalar(float *p, const float *g, void *m, void *v, size_t moment_bytes,
+                                size_t begin, size_t end)
 {
     for (size_t i = begin; i < end; i++) {
         p[i] += g[i];
-        m[i] += g[i];
-        v[i] += g[i];
+        if (moment_bytes == 4) {
+            ((float *)m)[i] += g[i];
+            ((float *)v)[i] += g[i];
+        } else if (moment_bytes == 2) {
+            ((uint16_t *)m)[i]++;
+            ((uint16_t *)v)[i]++;
+        } else {
+            ((uint8_t *)m)[i]++;
+            ((uint8_t *)v)[i]++;
+        }
     }
 }

@@ -63,8 +63,8 @@ double rlhfz_sumsq_chunk_scalar(const void *x, rlhfz_dtype dtype, size_t begin, 
 void rlhfz_scale_chunk_scalar(void *x, rlhfz_dtype dtype, float scale, size_t begin, size_t end);
 void rlhfz_cast_chunk_scalar(const void *src, rlhfz_dtype src_dtype, void *dst,
                              rlhfz_dtype dst_dtype, size_t begin, size_t end);
-void rlhfz_traffic_chunk_scalar(float *p, const float *g, float *m, float *v, size_t begin,
-                                size_t end);
+void rlhfz_traffic_chunk_scalar(float *p, const float *g, void *m, void *v,
+                                size_t moment_bytes, size_t begin, size_t end);
 
 /* ---- avx2 ---- */
 void rlhfz_adamw_chunk_avx2(const rlhfz_adamw_shard *shard, const rlhfz_adamw_consts *c,
@@ -73,8 +73,8 @@ double rlhfz_sumsq_chunk_avx2(const void *x, rlhfz_dtype dtype, size_t begin, si
 void rlhfz_scale_chunk_avx2(void *x, rlhfz_dtype dtype, float scale, size_t begin, size_t end);
 void rlhfz_cast_chunk_avx2(const void *src, rlhfz_dtype src_dtype, void *dst,
                            rlhfz_dtype dst_dtype, size_t begin, size_t end);
-void rlhfz_traffic_chunk_avx2(float *p, const float *g, float *m, float *v, size_t begin,
-                              size_t end);
+void rlhfz_traffic_chunk_avx2(float *p, const float *g, void *m, void *v,
+                              size_t moment_bytes, size_t begin, size_t end);
 
 /* ---- avx512 ---- */
 void rlhfz_adamw_chunk_avx512(const rlhfz_adamw_shard *shard, const rlhfz_adamw_consts *c,
@@ -83,7 +83,7 @@ double rlhfz_sumsq_chunk_avx512(const void *x, rlhfz_dtype dtype, size_t begin, 
 void rlhfz_scale_chunk_avx512(void *x, rlhfz_dtype dtype, float scale, size_t begin, size_t end);
 void rlhfz_cast_chunk_avx512(const void *src, rlhfz_dtype src_dtype, void *dst,
                              rlhfz_dtype dst_dtype, size_t begin, size_t end);
-void rlhfz_traffic_chunk_avx512(float *p, const float *g, float *m, float *v, size_t begin,
-                                size_t end);
+void rlhfz_traffic_chunk_avx512(float *p, const float *g, void *m, void *v,
+                                size_t moment_bytes, size_t begin, size_t end);
 
 #endif /* RLHFZ_CPU_KERNELS_SIMD_H */

@@ -180,11 +180,13 @@ rlhfz_status rlhfz_copy_cpu(void *dst, const void *src, size_t nbytes);
 
 /* ---- the memory-bandwidth bound for AdamW --------------------------------- */
 
-/* Exactly AdamW's fp32 memory traffic (read p, g, m, v; write p, m, v: 28
- * bytes per element) with trivial arithmetic, on the same thread pool. Its
- * throughput is the ceiling an AdamW step can reach on this machine. */
-rlhfz_status rlhfz_adamw_traffic_bound_cpu(float *p, const float *g, float *m,
-                                           float *v, size_t n);
+/* Exactly AdamW's memory traffic (read p, g, m, v; write p, m, v) with
+ * trivial arithmetic, on the same thread pool: 28 bytes per element with
+ * fp32 moments, 20 with moments of 2 bytes and 16 with 1 (moment_bytes).
+ * Its throughput is the ceiling an AdamW step with that state can reach on
+ * this machine. */
+rlhfz_status rlhfz_adamw_traffic_bound_cpu(float *p, const float *g, void *m,
+                                           void *v, size_t moment_bytes, size_t n);
 
 /* ---- CUDA (present only when built with nvcc) ----------------------------- */
 

@@ -328,27 +328,38 @@ void SIMD_NAME(rlhfz_cast_chunk)(const void *src, rlhfz_dtype src_dtype, void *d
 
 /* ---- the traffic bound: AdamW's loads and stores, trivial math ------------ */
 
-SIMD_INLINE void traffic_vec(float *p, const float *g, float *m, float *v, size_t i)
+/* 4W elements. Their moments of `moment_bytes` each (a constant where this
+ * is inlined) span moment_bytes vectors of floats, which take grad vectors
+ * as fp32 moments do: a narrow moment's bits are only to be moved. */
+SIMD_INLINE void traffic_block(float *p, const float *g, char *m, char *v,
+                               size_t moment_bytes, size_t i)
 {
-    simd_f32 grad = simd_loadu(g + i);
-    simd_storeu(p + i, simd_add(simd_loadu(p + i), grad));
-    simd_storeu(m + i, simd_add(simd_loadu(m + i), grad));
-    simd_storeu(v + i, simd_add(simd_loadu(v + i), grad));
+    simd_f32 grad[4];
+    for (int k = 0; k < 4; k++) {
+        grad[k] = simd_loadu(g + i + k * W);
+        simd_storeu(p + i + k * W, simd_add(simd_loadu(p + i + k * W), grad[k]));
+    }
+    float *m_words = (float *)(m + i * moment_bytes), *v_words = (float *)(v + i * moment_bytes);
+    for (size_t k = 0; k < moment_bytes; k++) {
+        simd_storeu(m_words + k * W, simd_add(simd_loadu(m_words + k * W), grad[k]));
+        simd_storeu(v_words + k * W, simd_add(simd_loadu(v_words + k * W), grad[k]));
+    }
 }
 
-void SIMD_NAME(rlhfz_traffic_chunk)(float *p, const float *g, float *m, float *v,
-                                    size_t begin, size_t end)
+void SIMD_NAME(rlhfz_traffic_chunk)(float *p, const float *g, void *m, void *v,
+                                    size_t moment_bytes, size_t begin, size_t end)
 {
     size_t i = begin;
-    for (; i + 4 * W <= end; i += 4 * W) {
-        traffic_vec(p, g, m, v, i);
-        traffic_vec(p, g, m, v, i + W);
-        traffic_vec(p, g, m, v, i + 2 * W);
-        traffic_vec(p, g, m, v, i + 3 * W);
-    }
-    for (; i + W <= end; i += W)
-        traffic_vec(p, g, m, v, i);
-    rlhfz_traffic_chunk_scalar(p, g, m, v, i, end);
+    if (moment_bytes == 4)
+        for (; i + 4 * W <= end; i += 4 * W)
+            traffic_block(p, g, m, v, 4, i);
+    else if (moment_bytes == 2)
+        for (; i + 4 * W <= end; i += 4 * W)
+            traffic_block(p, g, m, v, 2, i);
+    else
+        for (; i + 4 * W <= end; i += 4 * W)
+            traffic_block(p, g, m, v, 1, i);
+    rlhfz_traffic_chunk_scalar(p, g, m, v, moment_bytes, i, end);
 }
 
 #undef OUT_NONE

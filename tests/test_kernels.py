@@ -212,6 +212,36 @@ def test_traffic_bound_kernel_does_its_arithmetic():
     assert torch.equal(g, torch.full((1001,), 2.0))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.int8, torch.uint8])
+@pytest.mark.parametrize("n", [1, 63, 64, 1000, 4099])
+def test_traffic_bound_moves_every_byte_of_narrow_moments(dtype, n):
+    """Moments of 2 or 1 bytes: every element of both is rewritten, and the
+    fp32 tensors around them as for fp32 moments. (The grad's bits have no
+    zero byte, so whatever it adds to zeros leaves none.)"""
+    grad = torch.tensor(1.2345678)
+    assert (grad.view(1).view(torch.uint8) != 0).all()
+    p, g = torch.zeros(n), grad.repeat(n)
+    m, v = torch.zeros(n, dtype=dtype), torch.zeros(n, dtype=dtype)
+    _C.adamw_traffic_bound(p, g, m, v)
+    assert torch.equal(p, g) and torch.equal(g, grad.repeat(n))
+    for moment in (m, v):
+        words = moment.view(torch.uint8).view(-1, moment.element_size())
+        assert (words != 0).any(dim=1).all()
+
+
+def test_traffic_bound_refuses_mixed_or_short_moments():
+    p, g = torch.zeros(64), torch.zeros(64)
+    with pytest.raises(TypeError, match="v must be bfloat16, not int8"):
+        _C.adamw_traffic_bound(p, g, torch.zeros(64, dtype=torch.bfloat16),
+                               torch.zeros(64, dtype=torch.int8))
+    with pytest.raises(ValueError, match="m has 63 elements but p has 64"):
+        _C.adamw_traffic_bound(p, g, torch.zeros(63, dtype=torch.uint8),
+                               torch.zeros(64, dtype=torch.uint8))
+    with pytest.raises(TypeError, match="g must be float32"):
+        _C.adamw_traffic_bound(p, torch.zeros(64, dtype=torch.bfloat16), torch.zeros(64),
+                               torch.zeros(64))
+
+
 def test_unsupported_level_is_refused_or_runs():
     """Asking for a wider level than the CPU has is an error, never a crash."""
     master = torch.zeros(8)
