@@ -50,16 +50,35 @@
 
 /* ---- the counter hash, W lanes at a time ---------------------------------- */
 
-/* rlhfz_round_bits16 of elements [i, i + W). Lanes whose indices cross a
- * multiple of 2^32 each take their own index key. (The key's scalar mix per
- * vector runs beside the vector work: keeping it across vectors measured no
- * faster.) */
-SIMD_INLINE simd_i32 random16_vec(const rlhfz_adamw_lowp_shard *shard, size_t i)
+/* rlhfz_round_bits16 over a run of whole vectors [begin, end), taken in
+ * order. The high half of the indices, and so the index key, is one for the
+ * whole run unless it crosses a multiple of 2^32; then each element keys
+ * itself. The key is mixed once per run and the indices' low halves are
+ * carried from vector to vector: on cores whose scalar and vector work share
+ * ports, a mix per vector cost 3-12% of a step. */
+typedef struct {
+    int one_key;
+    simd_i32 key, lanes;    /* the key, and the low halves of the next indices */
+    uint64_t next;          /* the next vector's first index */
+} random16_run;
+
+SIMD_INLINE random16_run random16_run_of(const rlhfz_adamw_lowp_shard *shard, size_t begin,
+                                         size_t end)
 {
-    uint64_t index = shard->index_base + i;
-    if ((uint32_t)index <= UINT32_MAX - (W - 1)) {
-        uint32_t key = rlhfz_index_key(shard->rounding_key, index);
-        simd_i32 x = simd_i32_xor(simd_i32_lanes((uint32_t)index), simd_i32_set1(key));
+    uint64_t first = shard->index_base + begin, last = shard->index_base + end - 1;
+    random16_run run = {.one_key = end <= begin || first >> 32 == last >> 32, .next = first};
+    run.key = simd_i32_set1(rlhfz_index_key(shard->rounding_key, first));
+    run.lanes = simd_i32_lanes((uint32_t)first);
+    return run;
+}
+
+SIMD_INLINE simd_i32 random16_next(const rlhfz_adamw_lowp_shard *shard, random16_run *run)
+{
+    uint64_t index = run->next;
+    run->next += W;
+    if (run->one_key) {
+        simd_i32 x = simd_i32_xor(run->lanes, run->key);
+        run->lanes = simd_i32_add(run->lanes, simd_i32_set1(W));
         return simd_i32_shr16(simd_i32_mul(x, simd_i32_set1(0x9E3779B1u)));
     }
     uint32_t lanes[W];
@@ -203,13 +222,14 @@ SIMD_INLINE void bf16_vectors(const rlhfz_adamw_lowp_shard *shard, const lowp_vc
 {
     uint16_t *exp_avg = shard->exp_avg, *exp_avg_sq = shard->exp_avg_sq;
     int stochastic = shard->rounding == RLHFZ_ROUND_STOCHASTIC;
+    random16_run run = random16_run_of(shard, begin, end);
     for (size_t i = begin; i < end; i += W) {
         simd_f32 m = simd_widen_bf16(simd_half_loadu(exp_avg + i));
         simd_f32 v = simd_widen_bf16(simd_half_loadu(exp_avg_sq + i));
         lowp_step_vec(shard, k, i, grad_dtype, out, &m, &v);
         simd_half_storeu(exp_avg + i, simd_narrow_bf16(m));
         simd_half_storeu(exp_avg_sq + i, stochastic ? simd_narrow_bf16_stochastic(
-                                                          v, random16_vec(shard, i))
+                                                          v, random16_next(shard, &run))
                                                     : simd_narrow_bf16(v));
     }
 }
@@ -269,6 +289,7 @@ SIMD_INLINE void int8_codes(const rlhfz_adamw_lowp_shard *shard, const lowp_vcon
     float fixed = stochastic ? 65536.0f : 1.0f;   /* stochastic positions in 1/65536ths */
     simd_f32 sq_encode_vec = simd_set1(sqrtf(sq_encode) * sq_top * fixed);
     simd_i32 none = simd_i32_set1(0);
+    random16_run run = random16_run_of(shard, begin, end);
     for (size_t i = begin; i < end; i += W) {
         simd_f32 m = simd_loadu(moments + (i - begin));
         simd_f32 t = simd_mul(simd_abs(m), encode_vec);
@@ -276,7 +297,7 @@ SIMD_INLINE void int8_codes(const rlhfz_adamw_lowp_shard *shard, const lowp_vcon
         simd_q_signed_store(codes + i, simd_mul(t, simd_rsqrt_fine(simd_max(t, k->smallest))),
                             m);
         simd_f32 sq_x = simd_mul(simd_loadu(fourth_roots + (i - begin)), sq_encode_vec);
-        simd_i32 random16 = stochastic ? random16_vec(shard, i) : none;
+        simd_i32 random16 = stochastic ? random16_next(shard, &run) : none;
         simd_q_unsigned_store(sq_codes + i, sq_code_vec(sq_x, stochastic, random16));
     }
 }
