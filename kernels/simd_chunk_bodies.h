@@ -95,6 +95,30 @@ SIMD_INLINE void store_from_f32(void *x, rlhfz_dtype dtype, size_t i, simd_f32 v
     write_from_f32(x, dtype, i, value, 0);
 }
 
+/* ---- asking for lines ahead ----------------------------------------------- */
+
+/* How far ahead of the element being stepped, in elements, a step asks for
+ * its arrays' lines. The hardware prefetchers alone leave the memory idle
+ * through much of a step's arithmetic on some cores: on a Xeon, at 50M
+ * params on 2 threads, the bf16 and int8 steps ran ~10% faster with these
+ * and the fp32 step ~3%. A prefetch never faults, so one past an array's
+ * end is harmless. */
+#define PREFETCH_AHEAD 512
+
+/* Element i + PREFETCH_AHEAD of x (elements of `size` bytes), once per 64
+ * bytes as i steps by W; `write`: for a line that will be written (a
+ * constant). */
+SIMD_INLINE void prefetch_ahead(const void *x, size_t size, size_t i, int write)
+{
+    if (((i * size) & 63) >= W * size)
+        return;
+    const char *line = (const char *)x + (i + PREFETCH_AHEAD) * size;
+    if (write)
+        __builtin_prefetch(line, 1);
+    else
+        __builtin_prefetch(line, 0);
+}
+
 /* ---- AdamW ---------------------------------------------------------------- */
 
 typedef struct {
@@ -106,6 +130,10 @@ typedef struct {
 SIMD_INLINE void adamw_vec(const rlhfz_adamw_shard *shard, const adamw_vconsts *k, size_t i,
                            rlhfz_dtype grad_dtype, int out, int stream)
 {
+    prefetch_ahead(shard->grad, grad_dtype == RLHFZ_DTYPE_F32 ? 4 : 2, i, 0);
+    prefetch_ahead(shard->master, 4, i, 1);
+    prefetch_ahead(shard->exp_avg, 4, i, 1);
+    prefetch_ahead(shard->exp_avg_sq, 4, i, 1);
     simd_f32 g = simd_mul(load_as_f32(shard->grad, grad_dtype, i), k->grad_scale);
 
     /* decoupled weight decay */
@@ -330,7 +358,8 @@ void SIMD_NAME(rlhfz_cast_chunk)(const void *src, rlhfz_dtype src_dtype, void *d
 
 /* 4W elements. Their moments of `moment_bytes` each (a constant where this
  * is inlined) span moment_bytes vectors of floats, which take grad vectors
- * as fp32 moments do: a narrow moment's bits are only to be moved. */
+ * as fp32 moments do: a narrow moment's bits are only to be moved. (Asking
+ * for lines ahead, as the steps do, slowed this pure stream by 5-8%.) */
 SIMD_INLINE void traffic_block(float *p, const float *g, char *m, char *v,
                                size_t moment_bytes, size_t i)
 {
