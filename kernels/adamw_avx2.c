@@ -147,25 +147,20 @@ SIMD_INLINE simd_f32 simd_max_bits(simd_f32 a, simd_f32 b)
     return _mm256_castsi256_ps(_mm256_max_epu32(_mm256_castps_si256(a), _mm256_castps_si256(b)));
 }
 
-/* W exp_avg codes as q * |q|, and W exp_avg_sq codes as q * q (exact in fp32) */
-SIMD_INLINE simd_f32 simd_q_signed_square_load(const int8_t *x)
+/* W exp_avg codes as floats, and W exp_avg_sq codes as q * q (exact in fp32) */
+SIMD_INLINE simd_f32 simd_q_signed_load(const int8_t *x)
 {
-    __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)x));
-    return _mm256_cvtepi32_ps(_mm256_mullo_epi32(q, _mm256_abs_epi32(q)));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)x)));
 }
 SIMD_INLINE simd_f32 simd_q_square_load(const uint8_t *x)
 {
     __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)x));
     return _mm256_cvtepi32_ps(_mm256_mullo_epi32(q, q));
 }
-/* W codes: x (|x| < 127.5) rounded to nearest even and negated where
- * sign_of has its sign bit set; nearest even is symmetric, so the sign goes
- * onto x first */
-SIMD_INLINE void simd_q_signed_store(int8_t *x, simd_f32 position, simd_f32 sign_of)
+/* W codes: positions (|x| < 127.5) rounded to nearest even */
+SIMD_INLINE void simd_q_signed_store(int8_t *x, simd_f32 position)
 {
-    __m256i sign = _mm256_and_si256(_mm256_castps_si256(sign_of), _mm256_set1_epi32(INT32_MIN));
-    __m256i q = _mm256_cvtps_epi32(_mm256_castsi256_ps(
-        _mm256_or_si256(_mm256_castps_si256(position), sign)));
+    __m256i q = _mm256_cvtps_epi32(position);
     __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
     _mm_storel_epi64((__m128i *)x, _mm_packs_epi16(words, words));
 }

@@ -140,26 +140,20 @@ SIMD_INLINE simd_f32 simd_max_bits(simd_f32 a, simd_f32 b)
     return _mm512_castsi512_ps(_mm512_max_epu32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
 }
 
-/* W exp_avg codes as q * |q|, and W exp_avg_sq codes as q * q (exact in fp32) */
-SIMD_INLINE simd_f32 simd_q_signed_square_load(const int8_t *x)
+/* W exp_avg codes as floats, and W exp_avg_sq codes as q * q (exact in fp32) */
+SIMD_INLINE simd_f32 simd_q_signed_load(const int8_t *x)
 {
-    __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)x)));
-    return _mm512_mul_ps(q, _mm512_abs_ps(q));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)x)));
 }
 SIMD_INLINE simd_f32 simd_q_square_load(const uint8_t *x)
 {
     __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)x)));
     return _mm512_mul_ps(q, q);
 }
-/* W codes: x (|x| < 127.5) rounded to nearest even and negated where
- * sign_of has its sign bit set; nearest even is symmetric, so the sign goes
- * onto x first */
-SIMD_INLINE void simd_q_signed_store(int8_t *x, simd_f32 position, simd_f32 sign_of)
+/* W codes: positions (|x| < 127.5) rounded to nearest even */
+SIMD_INLINE void simd_q_signed_store(int8_t *x, simd_f32 position)
 {
-    __m512i sign = _mm512_and_si512(_mm512_castps_si512(sign_of), _mm512_set1_epi32(INT32_MIN));
-    __m512i q = _mm512_cvtps_epi32(_mm512_castsi512_ps(
-        _mm512_or_si512(_mm512_castps_si512(position), sign)));
-    _mm_storeu_si128((__m128i *)x, _mm512_cvtsepi32_epi8(q));
+    _mm_storeu_si128((__m128i *)x, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(position)));
 }
 /* W codes, above 255 saturating to 255 */
 SIMD_INLINE void simd_q_unsigned_store(uint8_t *x, simd_i32 q)

@@ -9,7 +9,7 @@
  * gets the reference's bf16 moments bit for bit. Square roots and
  * divisions are the reciprocal estimates of the layer, and an int8 code is
  * decoded by one product per block instead of two: on 2 cores a divider
- * per element (and two more square roots per int8 element) cost more than
+ * per element (and another square root per int8 element) cost more than
  * the bytes saved. The master, the int8 scales and codes therefore differ
  * from the reference in the last bits (a code by one where its position
  * sits within ~1e-3 of a cut). Every element, tails included, takes the
@@ -29,10 +29,10 @@
  *   simd_max_bits(a, b)      the lane whose bits are the larger unsigned: for
  *                            floats without a sign bit their order, with Inf
  *                            and then every NaN (of either sign) above all
- *   simd_q_signed_square_load   W int8 codes q as float(q * |q|)
+ *   simd_q_signed_load          W int8 codes q as float(q)
  *   simd_q_square_load          W uint8 codes q as float(q * q)
- *   simd_q_signed_store         W codes: positions (< 127.5) to nearest even,
- *                               negated by a float's sign
+ *   simd_q_signed_store         W codes: signed positions (|x| < 127.5) to
+ *                               nearest even
  *   simd_q_unsigned_store       W codes, above 255 saturating to 255
  *   simd_narrow_bf16_stochastic simd_f32 -> bf16 with 16 random bits per lane,
  *                               as rlhfz_f32_to_bf16_stochastic
@@ -278,10 +278,10 @@ SIMD_INLINE simd_i32 sq_code_vec(simd_f32 x, int stochastic, simd_i32 random16)
     return simd_i32_shr16(simd_i32_add(simd_f32_to_i32_trunc(x), random16));
 }
 
-/* A block's codes against its new scales: exp_avg's position is sqrt(t)
- * for t = |m| * encode * 127^2, rounded to nearest; exp_avg_sq's is
+/* A block's codes against its new scales: exp_avg's position is
+ * m * (encode * 127), rounded to nearest; exp_avg_sq's is
  * v^(1/4) * sqrt(sq_encode) * 255. */
-SIMD_INLINE void int8_codes(const rlhfz_adamw_lowp_shard *shard, const lowp_vconsts *k,
+SIMD_INLINE void int8_codes(const rlhfz_adamw_lowp_shard *shard,
                             size_t begin, size_t end, const float *moments,
                             const float *fourth_roots, float encode, float sq_encode,
                             const int stochastic)
@@ -289,17 +289,13 @@ SIMD_INLINE void int8_codes(const rlhfz_adamw_lowp_shard *shard, const lowp_vcon
     int8_t *codes = shard->exp_avg;
     uint8_t *sq_codes = shard->exp_avg_sq;
     float top = RLHFZ_Q_EXP_AVG_MAX, sq_top = RLHFZ_Q_EXP_AVG_SQ_MAX;
-    simd_f32 encode_vec = simd_set1(encode * (top * top));
+    simd_f32 encode_vec = simd_set1(encode * top);
     float fixed = stochastic ? 65536.0f : 1.0f;   /* stochastic positions in 1/65536ths */
     simd_f32 sq_encode_vec = simd_set1(sqrtf(sq_encode) * sq_top * fixed);
     simd_i32 none = simd_i32_set1(0);
     random16_run run = random16_run_of(shard, begin, end);
     for (size_t i = begin; i < end; i += W) {
-        simd_f32 m = simd_loadu(moments + (i - begin));
-        simd_f32 t = simd_mul(simd_abs(m), encode_vec);
-        /* the estimate is good to 2^-14: a position stays under 127.5 */
-        simd_q_signed_store(codes + i, simd_mul(t, simd_rsqrt_fine(simd_max(t, k->smallest))),
-                            m);
+        simd_q_signed_store(codes + i, simd_mul(simd_loadu(moments + (i - begin)), encode_vec));
         simd_f32 sq_x = simd_mul(simd_loadu(fourth_roots + (i - begin)), sq_encode_vec);
         simd_i32 random16 = stochastic ? random16_next(shard, &run) : none;
         simd_q_unsigned_store(sq_codes + i, sq_code_vec(sq_x, stochastic, random16));
@@ -320,7 +316,7 @@ SIMD_INLINE void int8_block(const rlhfz_adamw_lowp_shard *shard, const lowp_vcon
     /* decode, step, and find the new scales. A code's value is its fraction
      * (rlhfz_q_exp_avg_value) times the scale in one product: one rounding
      * more than the reference, an ulp at most. */
-    simd_f32 m_decode = simd_set1(shard->exp_avg_scale[index] * (1.0f / (127.0f * 127.0f)));
+    simd_f32 m_decode = simd_set1(shard->exp_avg_scale[index] * (1.0f / 127.0f));
     simd_f32 root_decode = simd_set1(shard->exp_avg_sq_scale[index] * (1.0f / (255.0f * 255.0f)));
     /* |exp_avg| and exp_avg_sq have no sign bit, or are NaN: their largest
      * bits are their largest value, and Inf or NaN if any lane is */
@@ -330,7 +326,7 @@ SIMD_INLINE void int8_block(const rlhfz_adamw_lowp_shard *shard, const lowp_vcon
         prefetch_ahead(shard->master, 4, i, 1);
         prefetch_ahead(codes, 1, i, 1);
         prefetch_ahead(sq_codes, 1, i, 1);
-        simd_f32 m = simd_mul(simd_q_signed_square_load(codes + i), m_decode);
+        simd_f32 m = simd_mul(simd_q_signed_load(codes + i), m_decode);
         simd_f32 root = simd_mul(simd_q_square_load(sq_codes + i), root_decode);
         simd_f32 v = simd_mul(root, root);
         simd_f32 r = lowp_step_vec(shard, k, i, grad_dtype, out, &m, &v);
@@ -353,9 +349,9 @@ SIMD_INLINE void int8_block(const rlhfz_adamw_lowp_shard *shard, const lowp_vcon
     if (!sq_finite)
         memset(fourth_roots, 0, sizeof fourth_roots);
     if (shard->rounding == RLHFZ_ROUND_STOCHASTIC)
-        int8_codes(shard, k, begin, end, moments, fourth_roots, encode, sq_encode, 1);
+        int8_codes(shard, begin, end, moments, fourth_roots, encode, sq_encode, 1);
     else
-        int8_codes(shard, k, begin, end, moments, fourth_roots, encode, sq_encode, 0);
+        int8_codes(shard, begin, end, moments, fourth_roots, encode, sq_encode, 0);
 }
 
 SIMD_INLINE void int8_loop(const rlhfz_adamw_lowp_shard *shard, const rlhfz_adamw_consts *c,

@@ -139,15 +139,18 @@ static inline RLHFZ_HOST_DEVICE uint16_t rlhfz_bf16_exp_avg_sq(float v, rlhfz_ro
 #define RLHFZ_Q_EXP_AVG_MAX 127.0f      /* signed codes: -127 .. 127 */
 #define RLHFZ_Q_EXP_AVG_SQ_MAX 255.0f   /* unsigned codes: 0 .. 255 */
 
-/* Decoding: exp_avg = (q * |q| / 127^2) * scale, and sqrt(exp_avg_sq) =
- * (q * q / 255^2) * scale. The fraction first: the top code's is exactly 1
- * (127^2 times the float nearest 1 / 127^2 rounds to 1, as for 255^2), so
- * the block's largest value decodes to its scale exactly, and decoding then
- * encoding again gives back every code and scale. */
+/* Decoding: exp_avg = (q / 127) * scale, linear, and sqrt(exp_avg_sq) =
+ * (q * q / 255^2) * scale, whose square-root axis keeps exp_avg_sq's small
+ * values off zero (a zero there with a nonzero exp_avg would step by
+ * exp_avg / eps). exp_avg's small values rounding to zero only stop their
+ * step, and its linear codes take no square root to encode. The fraction
+ * first: the top code's is exactly 1 (127 times the float nearest 1 / 127
+ * rounds to 1, as 255^2 times that of 1 / 255^2), so the block's largest
+ * value decodes to its scale exactly, and decoding then encoding again
+ * gives back every code and scale. */
 static inline RLHFZ_HOST_DEVICE float rlhfz_q_exp_avg_value(int8_t q, float scale)
 {
-    int magnitude = q < 0 ? -q : q;
-    return rlhfz_mul_rn(rlhfz_mul_rn((float)(q * magnitude), 1.0f / (127.0f * 127.0f)), scale);
+    return rlhfz_mul_rn(rlhfz_mul_rn((float)q, 1.0f / 127.0f), scale);
 }
 
 static inline RLHFZ_HOST_DEVICE float rlhfz_q_exp_avg_sq_root(uint8_t q, float scale)
@@ -178,11 +181,12 @@ static inline RLHFZ_HOST_DEVICE float rlhfz_q_encode(float largest, int finite, 
     return finite && largest > 0.0f ? rlhfz_div_rn(1.0f, largest) : 0.0f;
 }
 
-/* exp_avg's code: the square-root axis of |m| / scale, signed, rounded to
- * nearest (as bf16's exp_avg). */
+/* exp_avg's code: |m| * (encode * 127), signed, rounded to nearest (as
+ * bf16's exp_avg). One product per element, with the block's factor
+ * rounded once. */
 static inline RLHFZ_HOST_DEVICE int8_t rlhfz_q_exp_avg_code(float m, float encode)
 {
-    float x = rlhfz_mul_rn(rlhfz_sqrt_rn(rlhfz_mul_rn(fabsf(m), encode)), RLHFZ_Q_EXP_AVG_MAX);
+    float x = rlhfz_mul_rn(fabsf(m), rlhfz_mul_rn(encode, RLHFZ_Q_EXP_AVG_MAX));
     int q = rlhfz_q_code(x, (int)RLHFZ_Q_EXP_AVG_MAX, RLHFZ_ROUND_NEAREST, 0);
     return (int8_t)(signbit(m) ? -q : q);
 }

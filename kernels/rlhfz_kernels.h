@@ -112,12 +112,13 @@ typedef enum {
 #define RLHFZ_QBLOCK 256
 
 /* The int8 maps (lowp_state.h states them in code):
- *   exp_avg:    int8 q in [-127, 127], value = q * |q| / 127^2 * scale, where
- *               scale is the block's largest |exp_avg|: a signed square map,
- *               fine near zero where moments crowd.
+ *   exp_avg:    int8 q in [-127, 127], value = q / 127 * scale, where scale
+ *               is the block's largest |exp_avg|: linear, encoded with one
+ *               product; a small value rounding to 0 only stops its step.
  *   exp_avg_sq: uint8 q in [0, 255], sqrt(value) = q^2 / 255^2 * scale,
- *               where scale is the block's largest sqrt(exp_avg_sq): the
- *               step's denominator is square-spaced like exp_avg.
+ *               where scale is the block's largest sqrt(exp_avg_sq): a
+ *               square map of the step's denominator, fine near zero, so a
+ *               small exp_avg_sq is not read as 0 (a step of exp_avg / eps).
  * A block whose moment is all zero has scale 0; one that holds an Inf or NaN
  * has scale NaN and codes 0, so the whole block reads NaN. */
 typedef enum {

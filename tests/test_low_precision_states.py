@@ -7,6 +7,7 @@ counts, state dicts in torch's format both ways, the options' checks, and
 that sharding over any world size steps exactly as one process does.
 """
 import copy
+import json
 
 import pytest
 import torch
@@ -166,7 +167,7 @@ def test_state_dict_is_torchs_format_with_the_moments_decoded(state_dtype):
         assert torch.equal(weight["exp_avg"], stored["exp_avg"].float())
     else:
         q = stored["exp_avg"].int().reshape(-1)
-        fraction = (q * q.abs()).float() * torch.tensor(1.0 / 127 ** 2, dtype=torch.float32)
+        fraction = q.float() * torch.tensor(1.0 / 127, dtype=torch.float32)
         want = fraction * stored["exp_avg_scale"].repeat_interleave(QBLOCK)[:q.numel()]
         assert torch.equal(weight["exp_avg"].reshape(-1), want)
     # torch's AdamW takes it and steps on from it
@@ -192,7 +193,8 @@ def test_load_state_dict_from_torch_quantizes_into_the_current_state_dtype(state
         for name in ("exp_avg", "exp_avg_sq"):
             want = entry[name].float()
             err = (got[key][name] - want).abs().reshape(-1)
-            # within the format's resolution: bf16's 8 bits, or a block's largest / 127^2 * ...
+            # within the format's resolution: bf16's 8 bits, or half a step of
+            # exp_avg's linear map (a block's largest / 127), or exp_avg_sq's ...
             bound = (want.abs() * 2 ** -8).reshape(-1) + 1e-30
             if state_dtype == "int8" and want.numel() >= 1000:
                 scale = want.abs().reshape(-1)
@@ -200,7 +202,7 @@ def test_load_state_dict_from_torch_quantizes_into_the_current_state_dtype(state
                 blocks = torch.cat([scale, scale.new_zeros(pad)]).view(-1, QBLOCK).amax(dim=1)
                 top = blocks.repeat_interleave(QBLOCK)[:scale.numel()]
                 if name == "exp_avg":
-                    bound = 1.01 * (scale * top).sqrt() / 127 + top / 127 ** 2
+                    bound = 0.501 * top / 127
                 else:
                     root = scale.sqrt()
                     bound = (2.01 * (root * top.sqrt()).sqrt() / 255 + top.sqrt() / 255 ** 2) \
@@ -313,6 +315,36 @@ def test_a_checkpoint_of_another_state_dtype_is_refused_with_what_to_do(tmp_path
         rlhfz.load_checkpoint(tmp_path / "ckpt", other_model, other)
     assert all(torch.equal(p, q) for p, q in zip(other_model.parameters(), before))
     assert not other.state
+
+
+def test_int8_codes_saved_under_other_maps_are_refused_with_what_to_do(tmp_path):
+    """A checkpoint keeps int8 codes with the maps they were written under;
+    codes of an earlier rlhfz's maps (no record, or another one) would
+    decode to other moments, so they are refused, and nothing is loaded."""
+    model = small_model()
+    opt = rlhfz.ZeroAdamW(model.parameters(), stage=0, state_dtype="int8", min_8bit_size=1000)
+    train(model, opt, steps=2)
+    rlhfz.save_checkpoint(tmp_path / "ckpt", model, opt)
+    index_path = tmp_path / "ckpt" / "index.json"        # and the generation's copy
+    index = json.loads(index_path.read_text())
+    assert {b["maps"] for b in index["buckets"] if b["state_dtype"] == "int8"} == {
+        "exp_avg q/127, exp_avg_sq (q^2/255^2)^2"}
+    from rlhfz.checkpoint.validation import index_text
+    for maps in (None, "exp_avg q|q|/127^2, exp_avg_sq (q^2/255^2)^2"):
+        for b in index["buckets"]:
+            b.pop("maps", None)
+            if maps and b["state_dtype"] == "int8":
+                b["maps"] = maps
+        for copy_path in (tmp_path / "ckpt").rglob("index.json"):
+            copy_path.write_bytes(index_text(index))     # as an earlier rlhfz wrote it
+        other_model = small_model()
+        other = rlhfz.ZeroAdamW(other_model.parameters(), stage=0, state_dtype="int8",
+                                min_8bit_size=1000)
+        before = [p.detach().clone() for p in other_model.parameters()]
+        with pytest.raises(rlhfz.CheckpointError, match="codes of other maps.*save_consolidated"):
+            rlhfz.load_checkpoint(tmp_path / "ckpt", other_model, other)
+        assert all(torch.equal(p, q) for p, q in zip(other_model.parameters(), before))
+        assert not other.state
 
 
 @pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])

@@ -22,7 +22,8 @@ import shutil
 import torch
 
 from ..generation import refuse_while_gathered, unwrap_model
-from ..engine import region_dtype, region_numel, region_unit, shard_owner, state_regions
+from ..engine import (STORED_MAPS, region_dtype, region_numel, region_unit, shard_owner,
+                      state_regions)
 from ..progress import progress
 from ..sharding import mark_filled
 from ..state_dict_hooks import gathered_values
@@ -110,7 +111,9 @@ def _describe(model, optimizer) -> dict:
             "offsets": [s.offset for s in slots], "numels": [s.numel for s in slots],
             "padded_numel": bucket.layout.padded_numel, "shard_numel": bucket.layout.shard_numel,
             "master": bucket.has_master, "registered": list(bucket.registered),
-            "state_dtype": bucket.state_dtype})
+            "state_dtype": bucket.state_dtype,
+            **({"maps": STORED_MAPS[bucket.state_dtype]}
+               if bucket.state_dtype in STORED_MAPS else {})})
     groups = []
     for group in packed_groups(optimizer.param_groups):
         groups.append({k: (v if k == "params" else _jsonable(k, v)) for k, v in group.items()})
@@ -289,6 +292,13 @@ class _Plan:
                     f"optimizer keeps them as {bucket.state_dtype!r}: build it with "
                     f"state_dtype={kept!r}, or load the state through state_dict() / "
                     f"save_consolidated, which convert")
+            maps = saved[k].get("maps")
+            if kept in STORED_MAPS and maps != STORED_MAPS[kept]:
+                raise CheckpointError(
+                    f"the checkpoint's {kept} moments are codes of other maps "
+                    f"({maps or 'those of an earlier rlhfz'}) than this rlhfz reads "
+                    f"({STORED_MAPS[kept]}): load it with the rlhfz that saved it and "
+                    f"save it with save_consolidated (fp32 moments), which this one loads")
 
     def _plan(self, bucket, positions, name, lo, hi):
         saved = self.index["buckets"]

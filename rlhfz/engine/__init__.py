@@ -20,14 +20,15 @@ from .host_memory import PinnedPool, host_buffer, pin_budget, release_pinned
 from .layout import (ALIGN_BYTES, MIN_BUCKET_BYTES, BucketLayout, ShardLayout, Slot,
                      most_per_rank, plan_bucket, rank_range, shard_owner, shard_size,
                      split_by_bytes, stage2_bucket_bytes)
-from .moments import (QBLOCK, STATE_DTYPES, layout_block, region_dtype, region_numel,
-                      region_unit, state_regions)
+from .moments import (QBLOCK, STATE_DTYPES, STORED_MAPS, layout_block, region_dtype,
+                      region_numel, region_unit, state_regions)
 from .state import STATE_NAMES, ShardState
 from .storage import REGIONS, FlatStorage
 
 __all__ = ["ALIGN_BYTES", "Bucket", "BucketLayout", "BucketPlan", "CudaBackend", "DTYPE_NAMES",
            "FlatStorage", "FrozenBucket", "HostBackend", "MIN_BUCKET_BYTES", "PinnedPool", "QBLOCK",
-           "REGIONS", "STATE_DTYPES", "STATE_NAMES", "ShardEngine", "ShardLayout", "ShardState",
+           "REGIONS", "STATE_DTYPES", "STATE_NAMES", "STORED_MAPS", "ShardEngine", "ShardLayout",
+           "ShardState",
            "SimulatedCudaBackend", "Slot", "backend_for", "host_buffer", "layout_block",
            "most_per_rank", "pin_budget", "plan_bucket", "rank_range", "region_dtype",
            "region_numel", "region_unit", "release_pinned", "shard_owner", "state_regions",

@@ -28,6 +28,9 @@ STORED = {
     "int8": {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8},
 }
 _TOP = {"exp_avg": 127.0, "exp_avg_sq": 255.0}
+# What a checkpoint's stored form means beyond its dtype: the int8 codes'
+# maps, recorded beside them so that codes are never read through other ones.
+STORED_MAPS = {"int8": "exp_avg q/127, exp_avg_sq (q^2/255^2)^2"}
 # int8 moments: the region of each one's block scales
 SCALES = {"exp_avg": "exp_avg_scale", "exp_avg_sq": "exp_avg_sq_scale"}
 
@@ -76,7 +79,7 @@ def decode(name: str, state_dtype: str, stored: torch.Tensor,
     q = stored.to(torch.int32)
     n = q.numel()
     if name == "exp_avg":
-        fraction = (q * q.abs()).float() * _f32(1.0 / (127.0 * 127.0))
+        fraction = q.float() * _f32(1.0 / 127.0)
         return fraction * _per_element(scales.float(), n)
     root = (q * q).float() * _f32(1.0 / (255.0 * 255.0)) * _per_element(scales.float(), n)
     return root * root
@@ -103,7 +106,10 @@ def encode(name: str, state_dtype: str, values: torch.Tensor, stored: torch.Tens
     positive = finite & (largest > 0)
     safe = torch.where(positive, largest, torch.ones(()))
     encoder = torch.where(positive, 1.0 / safe, torch.zeros(()))
-    x = (magnitude * encoder[:, None]).sqrt() * _f32(_TOP[name])
+    if name == "exp_avg":     # linear: one product by the block's factor
+        x = magnitude * (encoder * _f32(_TOP[name]))[:, None]
+    else:                     # the square-root axis of the root
+        x = (magnitude * encoder[:, None]).sqrt() * _f32(_TOP[name])
     codes = torch.minimum(torch.round(x), _f32(_TOP[name]))
     codes = torch.where(finite[:, None], codes, torch.zeros(()))
     if name == "exp_avg":
