@@ -224,7 +224,7 @@ SIMD_INLINE void bf16_vectors(const rlhfz_adamw_lowp_shard *shard, const lowp_vc
     int stochastic = shard->rounding == RLHFZ_ROUND_STOCHASTIC;
     random16_run run = random16_run_of(shard, begin, end);
     for (size_t i = begin; i < end; i += W) {
-        prefetch_ahead(shard->grad, rlhfz_dtype_size(grad_dtype), i, 0);
+        prefetch_ahead(shard->grad, grad_dtype == RLHFZ_DTYPE_F32 ? 4 : 2, i, 0);
         prefetch_ahead(shard->master, 4, i, 1);
         prefetch_ahead(exp_avg, 2, i, 1);
         prefetch_ahead(exp_avg_sq, 2, i, 1);
@@ -322,7 +322,7 @@ SIMD_INLINE void int8_block(const rlhfz_adamw_lowp_shard *shard, const lowp_vcon
      * bits are their largest value, and Inf or NaN if any lane is */
     simd_f32 largest = simd_set1(0.0f), v_largest = largest;
     for (size_t i = begin; i < end; i += W) {
-        prefetch_ahead(shard->grad, rlhfz_dtype_size(grad_dtype), i, 0);
+        prefetch_ahead(shard->grad, grad_dtype == RLHFZ_DTYPE_F32 ? 4 : 2, i, 0);
         prefetch_ahead(shard->master, 4, i, 1);
         prefetch_ahead(codes, 1, i, 1);
         prefetch_ahead(sq_codes, 1, i, 1);
