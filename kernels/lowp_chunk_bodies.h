@@ -224,10 +224,7 @@ SIMD_INLINE void bf16_vectors(const rlhfz_adamw_lowp_shard *shard, const lowp_vc
     int stochastic = shard->rounding == RLHFZ_ROUND_STOCHASTIC;
     random16_run run = random16_run_of(shard, begin, end);
     for (size_t i = begin; i < end; i += W) {
-        prefetch_ahead(shard->grad, grad_dtype == RLHFZ_DTYPE_F32 ? 4 : 2, i, 0);
-        prefetch_ahead(shard->master, 4, i, 1);
-        prefetch_ahead(exp_avg, 2, i, 1);
-        prefetch_ahead(exp_avg_sq, 2, i, 1);
+        prefetch_step_ahead(shard->grad, grad_dtype, shard->master, exp_avg, exp_avg_sq, 2, i);
         simd_f32 m = simd_widen_bf16(simd_half_loadu(exp_avg + i));
         simd_f32 v = simd_widen_bf16(simd_half_loadu(exp_avg_sq + i));
         lowp_step_vec(shard, k, i, grad_dtype, out, &m, &v);
@@ -322,10 +319,7 @@ SIMD_INLINE void int8_block(const rlhfz_adamw_lowp_shard *shard, const lowp_vcon
      * bits are their largest value, and Inf or NaN if any lane is */
     simd_f32 largest = simd_set1(0.0f), v_largest = largest;
     for (size_t i = begin; i < end; i += W) {
-        prefetch_ahead(shard->grad, grad_dtype == RLHFZ_DTYPE_F32 ? 4 : 2, i, 0);
-        prefetch_ahead(shard->master, 4, i, 1);
-        prefetch_ahead(codes, 1, i, 1);
-        prefetch_ahead(sq_codes, 1, i, 1);
+        prefetch_step_ahead(shard->grad, grad_dtype, shard->master, codes, sq_codes, 1, i);
         simd_f32 m = simd_mul(simd_q_signed_load(codes + i), m_decode);
         simd_f32 root = simd_mul(simd_q_square_load(sq_codes + i), root_decode);
         simd_f32 v = simd_mul(root, root);

@@ -119,6 +119,18 @@ SIMD_INLINE void prefetch_ahead(const void *x, size_t size, size_t i, int write)
         __builtin_prefetch(line, 0);
 }
 
+/* A step's own arrays ahead of element i: the grad (fp32, or 16 bits) it
+ * reads and the master and two moments (of `state_bytes`) it rewrites. */
+SIMD_INLINE void prefetch_step_ahead(const void *grad, rlhfz_dtype grad_dtype,
+                                     const float *master, const void *exp_avg,
+                                     const void *exp_avg_sq, size_t state_bytes, size_t i)
+{
+    prefetch_ahead(grad, grad_dtype == RLHFZ_DTYPE_F32 ? 4 : 2, i, 0);
+    prefetch_ahead(master, 4, i, 1);
+    prefetch_ahead(exp_avg, state_bytes, i, 1);
+    prefetch_ahead(exp_avg_sq, state_bytes, i, 1);
+}
+
 /* ---- AdamW ---------------------------------------------------------------- */
 
 typedef struct {
@@ -130,10 +142,8 @@ typedef struct {
 SIMD_INLINE void adamw_vec(const rlhfz_adamw_shard *shard, const adamw_vconsts *k, size_t i,
                            rlhfz_dtype grad_dtype, int out, int stream)
 {
-    prefetch_ahead(shard->grad, grad_dtype == RLHFZ_DTYPE_F32 ? 4 : 2, i, 0);
-    prefetch_ahead(shard->master, 4, i, 1);
-    prefetch_ahead(shard->exp_avg, 4, i, 1);
-    prefetch_ahead(shard->exp_avg_sq, 4, i, 1);
+    prefetch_step_ahead(shard->grad, grad_dtype, shard->master, shard->exp_avg,
+                        shard->exp_avg_sq, 4, i);
     simd_f32 g = simd_mul(load_as_f32(shard->grad, grad_dtype, i), k->grad_scale);
 
     /* decoupled weight decay */
