@@ -111,9 +111,7 @@ def _describe(model, optimizer) -> dict:
             "offsets": [s.offset for s in slots], "numels": [s.numel for s in slots],
             "padded_numel": bucket.layout.padded_numel, "shard_numel": bucket.layout.shard_numel,
             "master": bucket.has_master, "registered": list(bucket.registered),
-            "state_dtype": bucket.state_dtype,
-            **({"maps": STORED_MAPS[bucket.state_dtype]}
-               if bucket.state_dtype in STORED_MAPS else {})})
+            "state_dtype": bucket.state_dtype, "maps": STORED_MAPS.get(bucket.state_dtype)})
     groups = []
     for group in packed_groups(optimizer.param_groups):
         groups.append({k: (v if k == "params" else _jsonable(k, v)) for k, v in group.items()})
