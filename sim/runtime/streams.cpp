@@ -57,6 +57,11 @@ struct Streams {
     std::unordered_set<CUstream_st *> live;
     std::unordered_set<CUevent_st *> events;
     std::vector<CUstream_st *> defaults;           /* one inline stream per device */
+    /* Handles of destroyed streams whose memory was freed: a new stream never
+     * takes one, so a stale handle stays refused (a GPU may hand it out again
+     * and run work on the wrong stream without a word). */
+    std::unordered_set<CUstream_st *> retired;
+    std::vector<CUstream_st *> spare;              /* allocations kept off those handles */
     std::uint64_t created = 0;
 };
 
@@ -112,6 +117,11 @@ void worker(CUstream_st *stream)
         std::lock_guard<std::mutex> lock(stream->progress->mutex);
         stream->progress->completed++;
         stream->progress->changed.notify_all();
+    }
+    Streams &s = streams();
+    {
+        std::lock_guard<std::mutex> lock(s.mutex);
+        s.retired.insert(stream);
     }
     delete stream;       /* destroyed and drained: nothing refers to it any more */
 }
@@ -271,12 +281,16 @@ extern "C" cudaError_t cudaStreamCreateWithFlags(cudaStream_t *stream, unsigned 
     if ((err = check_device(device)) != cudaSuccess)
         return fail(err);
     CUstream_st *created = new CUstream_st;
-    created->device = device;
-    created->blocking = !(flags & cudaStreamNonBlocking);
-    created->is_inline = false;
     Streams &s = streams();
     {
         std::lock_guard<std::mutex> lock(s.mutex);
+        while (s.retired.count(created)) {
+            s.spare.push_back(created);
+            created = new CUstream_st;
+        }
+        created->device = device;
+        created->blocking = !(flags & cudaStreamNonBlocking);
+        created->is_inline = false;
         created->chaos.seed(mix(config().chaos_seed ^ mix(++s.created)));
         s.live.insert(created);
     }

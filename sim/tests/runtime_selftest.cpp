@@ -11,8 +11,10 @@
  */
 #include <cuda_runtime.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include "cudasim.h"
@@ -150,6 +152,21 @@ int main()
     check(cudaFree(x) == cudaSuccess && cudaFree(x) == cudaErrorInvalidValue,
           "a second cudaFree of the same pointer");
     check(cudaMemsetAsync(x, 0, 4, nullptr) == cudaErrorInvalidValue, "a memset of freed memory");
+
+    cudaStream_t closed = nullptr, fresh[64];
+    bool created = cudaStreamCreate(&closed) == cudaSuccess && cudaStreamDestroy(closed) ==
+                   cudaSuccess;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));    /* its worker frees it */
+    bool reused = false;
+    for (cudaStream_t &stream : fresh) {
+        created = created && cudaStreamCreate(&stream) == cudaSuccess;
+        reused = reused || stream == closed;
+    }
+    check(created && !reused && cudaStreamQuery(closed) == cudaErrorInvalidResourceHandle,
+          "a destroyed stream's handle is never handed out again");
+    for (cudaStream_t stream : fresh)
+        cudaStreamDestroy(stream);
+    (void)cudaGetLastError();
 
     int *flag = nullptr;
     cudaMalloc((void **)&flag, sizeof(int));
