@@ -3,8 +3,9 @@
 `run_ranks(worker, world_size, *args)` returns each rank's result, in rank
 order, or raises with the failing ranks' tracebacks. The worker must be
 importable by the spawned processes (defined at a module's top level); it is
-called as worker(rank, world_size, *args) inside an initialized gloo group.
-Used by the demo and the multi-process tests.
+called as worker(rank, world_size, *args) inside an initialized gloo group,
+with the machine's cores split between the ranks. Used by the demo and the
+multi-process tests.
 """
 import datetime
 import io
@@ -18,12 +19,40 @@ import traceback
 import torch.multiprocessing as mp
 
 COLLECTIVE_TIMEOUT_S = 60
+# the most ranks the tests run on one machine
+RANKS_PER_MACHINE = 4
+
+
+def _cores() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def torch_threads() -> int:
+    """torch's threads in every rank: the cores' share of the largest world
+    run on one machine (at least one). torch's matmuls sum in an order that
+    depends on its thread count, so every world size gets the same count,
+    and runs at 1, 2 or 4 ranks (or in the calling process, set alike)
+    stay comparable bit for bit."""
+    return max(1, _cores() // RANKS_PER_MACHINE)
+
+
+def _share_cores(world_size: int) -> None:
+    """Ranks on one machine split its cores (torch's and rlhfz's threads):
+    more threads than cores only wait on each other. rlhfz's kernels give
+    the same bits at any thread count."""
+    import torch
+    import rlhfz
+    torch.set_num_threads(torch_threads())
+    rlhfz.set_num_threads(max(1, _cores() // world_size))
 
 
 def _entry(worker, rank, world_size, store_path, results, args):
     import torch.distributed as dist
     os.environ.setdefault("RLHFZ_COLLECTIVE_TIMEOUT", str(COLLECTIVE_TIMEOUT_S))
     try:
+        _share_cores(world_size)
         dist.init_process_group(
             "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))

@@ -24,8 +24,14 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_configure(config):
     """Where a run must test an installed rlhfz (the wheel, or the simulated
-    build's environment), the tree must not stand in for it."""
+    build's environment), the tree must not stand in for it. torch here runs
+    on as many threads as in the ranks that run_ranks spawns, whose results
+    the tests compare with ones computed here, bit for bit."""
     import os
+
+    import torch
+    from rlhfz.launch import torch_threads
+    torch.set_num_threads(torch_threads())
     expected = os.environ.get("RLHFZ_EXPECT_INSTALLED_UNDER")
     if expected:
         where = os.path.realpath(rlhfz.__file__)
