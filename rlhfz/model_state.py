@@ -18,7 +18,7 @@ def full_state_dict(model, *, rank0_only: bool = True) -> dict[str, torch.Tensor
     values: dict[int, torch.Tensor] = {}
     if record is not None and record.stage3 is not None:
         slots = record.sharded_slots()
-        keep = not rank0_only or record.rank == 0
+        keep = not rank0_only or record.comm.leads
         values = gathered_values(record, {id(t) for t in state.values() if id(t) in slots},
                                  keep, "full_state_dict")
         if not keep:

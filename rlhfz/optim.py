@@ -81,6 +81,12 @@ class ZeroAdamW(Optimizer):
     (torch.distributed, the default) or "nccl" (rlhfz's own NCCL
     communicator on its own stream, CUDA only); close() destroys the latter.
 
+    ``device_mesh`` (a torch DeviceMesh, instead of process_group): 1-D
+    shards over its ranks; 2-D, with dims ("replicate", "shard"), shards
+    within each shard group and replicates across groups, as FSDP2's HSDP:
+    grads are reduce-scattered within the group and their shards averaged
+    across replicas, and params are gathered within the group only.
+
     ``nonfinite`` says what a NaN or Inf grad does: "raise" (the default)
     raises NonFiniteGradError, "skip" skips the step; both leave params and
     state untouched, which takes one read of the grads before the update
@@ -93,7 +99,7 @@ class ZeroAdamW(Optimizer):
                  differentiable=False, fused=None, stage=2, process_group=None, offload=None,
                  offload_ratio=1.0, pin_memory="auto", nonfinite="raise", wrap=None,
                  param_persistence_threshold=100_000, reduce_dtype=None, collectives="torch",
-                 bucket_bytes=None, state_dtype="fp32", min_8bit_size=4096):
+                 bucket_bytes=None, state_dtype="fp32", min_8bit_size=4096, device_mesh=None):
         # the options besides torch's defaults, from which a copy is built (__getstate__)
         self._options = dict(stage=stage, offload=offload, offload_ratio=offload_ratio,
                              pin_memory=pin_memory, nonfinite=nonfinite, wrap=wrap,
@@ -125,7 +131,7 @@ class ZeroAdamW(Optimizer):
             sharding_of_model(module)
         if record is not None:
             check_sharded_model(record, stage, process_group, wrap, param_persistence_threshold,
-                                collectives)
+                                collectives, device_mesh)
             module, wrap = record.model, record.wrap
             param_persistence_threshold = record.threshold
             self.device = record.backend.device
@@ -138,7 +144,7 @@ class ZeroAdamW(Optimizer):
             raise ValueError(f"collectives='nccl' needs params on a CUDA device, not "
                              f"{self.device}")
         self.comm = (record.comm if record is not None else
-                     communicator_for(process_group, collectives, self.backend))
+                     communicator_for(process_group, collectives, self.backend, device_mesh))
         self.rank = self.comm.rank if self.comm else 0
         self.world_size = self.comm.world_size if self.comm else 1
         if self.world_size > 1 and stage == 0:

@@ -56,7 +56,7 @@ def save_pretrained(model, path, *, max_shard_size="5GB", adapters="merged") -> 
             _stream(record if sharded else None, inner, path, limit)
     except Exception as caught:          # every rank hears of it
         error = caught
-    failed = (record.comm.exchange(None if error is None else f"{type(error).__name__}: {error}",
+    failed = (record.comm.statuses(None if error is None else f"{type(error).__name__}: {error}",
                                    "save_pretrained") if sharded else [None])
     if error is not None:
         raise error
@@ -69,7 +69,7 @@ def _save_adapters(record, peft_model, path: str) -> None:
     """PEFT's adapter files from the trainable params, gathered whole."""
     trainable = {name: p for name, p in peft_model.named_parameters() if p.requires_grad}
     slots = record.sharded_slots() if record is not None else {}
-    keep = record is None or record.rank == 0
+    keep = record is None or record.comm.leads
     got = (gathered_values(record, {id(p) for p in trainable.values() if id(p) in slots}, keep,
                            "save_pretrained") if record is not None else {})
     if keep:
@@ -94,11 +94,12 @@ def shard_size_bytes(value) -> int:
     raise ValueError(f"max_shard_size must be bytes (an int) or like '5GB', not {value!r}")
 
 
-def _layout(record, inner):
-    """(config holder, [(unit or None, name, tensor, merge)]): every tensor
-    to save, each tied tensor once under its first name, whole tensors
-    first, then unit by unit in the order they are gathered. For a PEFT
-    model: the base model's names, LoRA weights to merge, no adapter params."""
+def export_entries(record, inner):
+    """(config holder, [(unit or None, name, tensor, merge)], {id(param): unit}):
+    every tensor a Hugging Face export holds, each tied tensor once under
+    its first name, whole tensors first, then unit by unit in the order they
+    are gathered. For a PEFT model: the base model's names, LoRA weights to
+    merge, no adapter params."""
     merges, skip, rename, holder = {}, set(), (lambda n: n), inner
     if is_peft(inner):
         holder, merges, skip = merge_plan(inner)
@@ -118,14 +119,14 @@ def _layout(record, inner):
 
 def _stream(record, inner, path: str, limit: int) -> None:
     """save_pretrained's files, from units gathered one at a time."""
-    holder, entries, unit_of = _layout(record, inner)
+    holder, entries, unit_of = export_entries(record, inner)
     slots = record.sharded_slots() if record is not None else {}
     sizes = [(name, t.dtype, tuple(whole_shape(slots, t))) for _, name, t, _ in entries]
     # transformers' split: files of up to limit bytes, in the order written
     files = split_by_bytes(sizes, lambda spec: nbytes(spec[1], spec[2]), limit)
     names = ([_SINGLE] if len(files) == 1 else
              [f"model-{k + 1:05d}-of-{len(files):05d}.safetensors" for k in range(len(files))])
-    first = record is None or record.rank == 0
+    first = record is None or record.comm.leads
     # The first rank's failure to write must not stop it gathering: the
     # others would wait for it. It goes on without writing and raises after.
     writers, where, failure = [], {}, None

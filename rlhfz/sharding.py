@@ -23,7 +23,6 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .comm import communicator_for
-from .comm.control import ControlPlane
 from .engine import DTYPE_NAMES, FrozenBucket, ShardEngine, backend_for
 from .generation import unwrap_model
 from .stage3 import Stage3, assign_params
@@ -61,9 +60,8 @@ class ShardedModel:
             setattr(model, _STAGE3, self.stage3)
             # model.state_dict() called on one rank alone (a save on rank 0
             # only) fails in a minute, not at the collectives' timeout
-            self.state_dict_control = ControlPlane(
-                comm.control.process_group, timeout_s=state_dict_timeout(),
-                timeout_name="RLHFZ_STATE_DICT_TIMEOUT")
+            self.state_dict_control = comm.control.sibling(
+                state_dict_timeout(), "RLHFZ_STATE_DICT_TIMEOUT")
             install_hooks(self)
             if hasattr(model, "resize_token_embeddings"):
                 model.resize_token_embeddings = _refuse_resize
@@ -185,7 +183,7 @@ def sharding_of(params: list) -> ShardedModel | None:
 
 
 def check_sharded_model(record: ShardedModel, stage: int, process_group, wrap,
-                        threshold: int, collectives: str) -> None:
+                        threshold: int, collectives: str, device_mesh=None) -> None:
     """A ZeroAdamW on params of a sharded model takes its sharding: options
     that say otherwise are refused."""
     if record.world_size == 1:
@@ -197,6 +195,9 @@ def check_sharded_model(record: ShardedModel, stage: int, process_group, wrap,
     if process_group is not None and process_group is not group:
         raise ValueError("process_group differs from the one the model was sharded over: "
                          "leave it out, the optimizer takes the model's")
+    if device_mesh is not None and device_mesh is not record.comm.mesh:
+        raise ValueError("device_mesh differs from the one the model was sharded over: leave "
+                         "it out, the optimizer takes the model's")
     if wrap is not None and wrap != record.wrap:
         raise ValueError(f"wrap={wrap!r} differs from the model's sharding ({record.wrap!r}): "
                          f"leave it out, the optimizer takes the model's units")
@@ -238,18 +239,21 @@ def check_shardable(model: torch.nn.Module) -> tuple[torch.device, bool]:
 
 
 def shard_model(model: torch.nn.Module, *, process_group=None, wrap=None,
-                param_persistence_threshold: int = 100_000) -> torch.nn.Module:
+                param_persistence_threshold: int = 100_000,
+                device_mesh=None) -> torch.nn.Module:
     """Shards every param of the model in place, frozen ones included (the
     stage-3 layout, with or without an optimizer); returns the model. Every
     rank calls it and starts from the first rank's values. With one process
-    the params stay whole."""
+    the params stay whole. device_mesh (instead of process_group): a 1-D
+    mesh shards over its ranks, a 2-D one ("replicate", "shard") within
+    each shard group, the shards replicated across groups."""
     device, meta = check_shardable(model)
     if isinstance(param_persistence_threshold, bool) or \
             not isinstance(param_persistence_threshold, int) or param_persistence_threshold < 0:
         raise ValueError(f"param_persistence_threshold must be an int >= 0, not "
                          f"{param_persistence_threshold!r}")
     backend = backend_for(device)
-    comm = communicator_for(process_group, "torch", backend)
+    comm = communicator_for(process_group, "torch", backend, device_mesh)
     return shard_with(model, comm, backend, wrap, param_persistence_threshold,
                       list(model.parameters()), from_meta=meta)
 

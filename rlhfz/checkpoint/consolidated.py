@@ -63,9 +63,8 @@ def save_consolidated(path, model, optimizer=None) -> None:
     comm = getattr(optimizer, "comm", None)
     model_state = full_model_state_dict(model)
     optimizer_state = optimizer.state_dict() if optimizer is not None else None
-    rank = getattr(optimizer, "rank", 0)
     error = None
-    if rank == 0:
+    if comm is None or comm.leads:
         try:
             os.makedirs(path, exist_ok=True)
             _atomic_torch_save(model_state, os.path.join(path, MODEL_FILE))

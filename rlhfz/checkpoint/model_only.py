@@ -67,7 +67,7 @@ def save_model(path, model, client_state=None) -> None:
         return
     state = full_state_dict(module, rank0_only=True)
     error = None
-    if record.rank == 0:
+    if record.comm.leads:
         try:
             seen, tensors = set(), {}
             for name, t in state.items():
@@ -77,7 +77,7 @@ def save_model(path, model, client_state=None) -> None:
             _write_model(os.fspath(path), tensors, client, hf_config(module))
         except Exception as caught:          # every rank hears of it
             error = caught
-    failed = record.comm.exchange(None if error is None else f"{type(error).__name__}: {error}",
+    failed = record.comm.statuses(None if error is None else f"{type(error).__name__}: {error}",
                                   "save_checkpoint")[0]
     if error is not None:
         raise error

@@ -33,7 +33,7 @@ from .format import CorruptFileError, TensorFileWriter, fsync_dir
 from .generations import commit_generation, discard_generation
 from .model_only import hf_config, load_model, save_model, whole_model
 from .validation import (FORMAT, INDEX, CheckpointError, all_ok, check_entries, check_groups,
-                         check_match, file_name, open_files, read_index, verify)
+                         check_match, file_name, leads, open_files, read_index, verify)
 
 
 # ---- what a checkpoint describes -------------------------------------------------------
@@ -73,7 +73,7 @@ def _extras(model, optimizer, values: bool = False) -> dict[str, torch.Tensor]:
     ids = {id(t) for t in extras.values() if id(t) in frozen}
     if not ids:
         return extras
-    got = (gathered_values(record, ids, optimizer.rank == 0, "save_checkpoint") if values
+    got = (gathered_values(record, ids, leads(optimizer), "save_checkpoint") if values
            else {})
     for name, t in extras.items():
         if id(t) in frozen:
@@ -168,6 +168,7 @@ def _write_rank_file(directory: str, optimizer, extras) -> dict:
 def save_checkpoint(path, model, optimizer=None, client_state: dict | None = None) -> None:
     """Writes model and optimizer to the directory `path`, one file per rank
     (a collective: every rank calls it; the directory must be shared).
+    Under hybrid sharding the first replica writes the shards.
 
     The previous checkpoint at `path` stays loadable until the new one is
     complete and durable. client_state (JSON: numbers, strings, lists, dicts)
@@ -198,27 +199,29 @@ def save_checkpoint(path, model, optimizer=None, client_state: dict | None = Non
 
     error, info, index = None, None, None
     extras = _extras(model, optimizer, values=True)     # a collective: before any rank can fail
+    writes = comm is None or comm.writes_shards
     try:
         index = _describe(model, optimizer)
         index["client_state"] = json.loads(client_text)
         if os.path.exists(path) and not os.path.isdir(path):
             raise CheckpointError(f"{path} exists and is not a directory")
-        if optimizer.rank == 0 and not os.path.isdir(path):
+        if leads(optimizer) and not os.path.isdir(path):
             os.makedirs(path, exist_ok=True)
             fsync_dir(os.path.dirname(os.path.abspath(path)))
-        os.makedirs(tmp, exist_ok=True)
-        info = _write_rank_file(tmp, optimizer, extras)
+        if writes:
+            os.makedirs(tmp, exist_ok=True)
+            info = _write_rank_file(tmp, optimizer, extras)
     except Exception as caught:          # every rank must hear of it before raising
         error = caught
     infos = (comm.exchange(info, "save_checkpoint") if comm is not None else [info])
     try:
         all_ok(optimizer, error, "save_checkpoint", "write its shard")
     except BaseException:
-        if optimizer.rank == 0:
+        if leads(optimizer):
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     error = None
-    if optimizer.rank == 0:
+    if leads(optimizer):
         try:
             index["generation"] = f"g-{token}"
             index["files"] = infos

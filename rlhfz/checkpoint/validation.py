@@ -44,6 +44,11 @@ class CheckpointError(ValueError):
     __module__ = "rlhfz.checkpoint"
 
 
+def leads(optimizer) -> bool:
+    """The rank that writes what one rank writes for all (the index)."""
+    return optimizer.comm is None or optimizer.comm.leads
+
+
 def file_name(rank: int, world_size: int) -> str:
     return f"rank-{rank:05d}-of-{world_size:05d}.safetensors"
 
@@ -51,7 +56,7 @@ def file_name(rank: int, world_size: int) -> str:
 def all_ok(optimizer, error: BaseException | None, call: str, what: str) -> None:
     """Every rank learns whether every rank succeeded; all raise if one failed."""
     message = None if error is None else f"{type(error).__name__}: {error}"
-    statuses = (optimizer.comm.exchange(message, call) if optimizer.comm is not None
+    statuses = (optimizer.comm.statuses(message, call) if optimizer.comm is not None
                 else [message])
     if error is not None:
         raise error

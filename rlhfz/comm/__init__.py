@@ -4,6 +4,9 @@
     torch_engine.py   data over torch.distributed (gloo pieces on the CPU, nccl on GPUs)
     nccl_engine.py    data over rlhfz's own NCCL communicator (collectives="nccl")
     nccl_library.py   finding libnccl.so.2
+    communicator.py   a control plane and an engine over one process group
+    hybrid.py         sharding within groups, replication across them (a 2-D DeviceMesh)
+    channel.py        broadcasts from one rank over a group the caller made (weight sync)
 
 A Communicator puts a control plane and an engine together behind one small
 interface: agree / exchange on the control plane; reduce-scatter,
@@ -14,75 +17,13 @@ gives None), so nothing there waits on anyone.
 """
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
-from .control import CollectiveError, CollectiveMismatchError, ControlPlane, collective_timeout
-from .torch_engine import TorchEngine
+from .communicator import Communicator
+from .control import CollectiveError, CollectiveMismatchError, collective_timeout
 
 __all__ = ["CollectiveError", "CollectiveMismatchError", "Communicator",
            "NativeNcclCommunicator", "collective_timeout", "communicator_for"]
-
-
-class Communicator:
-    """Collectives over a torch.distributed process group (gloo or nccl)."""
-
-    def __init__(self, process_group=None):
-        self.group = process_group
-        self.control = ControlPlane(process_group)
-        self.rank, self.world_size = self.control.rank, self.control.world_size
-        # torch.distributed moves the first rank's values at start, whatever
-        # engine moves the data afterwards
-        self.torch = TorchEngine(self.control, process_group)
-        self.data = self.torch
-
-    def destroy(self) -> None:
-        """Releases the groups rlhfz made (their sockets and gloo threads);
-        every rank calls it, and nothing collective works afterwards."""
-        if self.data is not self.torch:
-            self.data.destroy()
-        self.torch.destroy()
-        self.control.destroy()
-
-    # ---- the control plane -----------------------------------------------------------
-
-    def agree(self, call: str, signature=None) -> None:
-        """Checks that every rank is in `call` with an equal `signature`."""
-        self.control.agree(call, signature)
-
-    def exchange(self, value, call: str) -> list:
-        """Every rank's small picklable value, in rank order."""
-        return self.control.exchange(value, call)
-
-    def all_reduce_sum_host(self, value: float) -> float:
-        return self.control.all_reduce_sum_host(value)
-
-    def all_reduce_max_control(self, tensor: torch.Tensor, call: str) -> None:
-        self.control.all_reduce_max(tensor, call)
-
-    def start_from_first_rank(self, tensors: list, call: str) -> None:
-        """Every rank starts from the first rank's values, as DDP and DeepSpeed
-        do: ranks that initialized differently would otherwise train a mix of
-        models without a word. Ranks whose tensors differ in number, shape or
-        dtype fail here, naming the difference, instead of later, in a hang."""
-        self.agree(call, [(tuple(t.shape), str(t.dtype).replace("torch.", "")) for t in tensors])
-        self.torch.broadcast_from_first(tensors)
-
-    # ---- the data engine -------------------------------------------------------------
-
-    def reduce_scatter(self, shard_out: torch.Tensor, full_in: torch.Tensor,
-                       async_op: bool = False):
-        """shard_out = the mean over ranks of this rank's range of full_in."""
-        return self.data.reduce_scatter(shard_out, full_in, async_op=async_op)
-
-    def all_gather(self, full_out: torch.Tensor, shard_in: torch.Tensor,
-                   async_op: bool = False):
-        """full_out = the ranks' shards back to back."""
-        return self.data.all_gather(full_out, shard_in, async_op=async_op)
-
-    def all_reduce_avg(self, tensor: torch.Tensor, async_op: bool = False):
-        """tensor = its mean over ranks, in place."""
-        return self.data.all_reduce_avg(tensor, async_op=async_op)
 
 
 class NativeNcclCommunicator(Communicator):
@@ -107,10 +48,14 @@ class NativeNcclCommunicator(Communicator):
         self.data.raise_if_failed()
 
 
-def communicator_for(process_group, collectives: str = "torch",
-                     backend=None) -> Communicator | None:
+def communicator_for(process_group, collectives: str = "torch", backend=None,
+                     device_mesh=None) -> Communicator | None:
     """None in a single process (no collectives at all). collectives="nccl"
-    gives rlhfz's own NCCL communicator on the device backend's device."""
+    gives rlhfz's own NCCL communicator on the device backend's device. A
+    device mesh: 1-D shards over it, 2-D shards within its rows and
+    replicates across them (hybrid.py)."""
+    if device_mesh is not None:
+        return _mesh_communicator(device_mesh, process_group, collectives, backend)
     if process_group is None and not (dist.is_available() and dist.is_initialized()):
         return None
     if dist.get_world_size(process_group) == 1:
@@ -118,3 +63,28 @@ def communicator_for(process_group, collectives: str = "torch",
     if collectives == "nccl":
         return NativeNcclCommunicator(process_group, backend)
     return Communicator(process_group)
+
+
+def _mesh_communicator(mesh, process_group, collectives: str, backend):
+    from .hybrid import HybridCommunicator, check_mesh_device, mesh_dims
+    if process_group is not None:
+        raise ValueError("pass process_group or device_mesh, not both: a mesh brings its groups")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("a device_mesh needs torch.distributed initialized")
+    replicate_dim, shard_dim = mesh_dims(mesh)
+    if backend is not None:
+        check_mesh_device(mesh, backend.device)
+    if collectives != "torch":
+        raise ValueError(f"collectives={collectives!r} with a device_mesh: hybrid sharding runs "
+                         f"over torch.distributed (collectives='torch')")
+    shard_ranks = mesh.size(shard_dim)
+    if replicate_dim is None or mesh.size(replicate_dim) == 1:
+        comm = communicator_for(mesh.get_group(shard_dim), collectives, backend)
+        if comm is not None:
+            comm.mesh = mesh
+        return comm
+    if shard_ranks == 1:
+        raise ValueError(f"the mesh's shard dimension has one rank: that replicates the whole "
+                         f"state on each of the {mesh.size(replicate_dim)} ranks and shards "
+                         f"nothing; wrap the model in DistributedDataParallel instead")
+    return HybridCommunicator(mesh, replicate_dim, shard_dim)

@@ -55,6 +55,30 @@ def _timed_out(error: Exception) -> bool:
     return "timed out" in text or "timeout" in text
 
 
+def own_group(rows: list[list[int]], timeout_s: float):
+    """A gloo group over the row of `rows` (global ranks, one list per group,
+    together every rank of the job) that holds this rank. torch's new_group
+    wants every rank of the job in every call, member or not, in the same
+    order: each row's group is made on every rank, and this rank keeps its own."""
+    me, mine = dist.get_rank(), None
+    for row in rows:
+        group = dist.new_group(ranks=list(row), backend="gloo",
+                               timeout=datetime.timedelta(seconds=timeout_s))
+        if me in row:
+            mine = group
+    return mine
+
+
+def _check_carries_cpu(process_group) -> None:
+    backend = str(dist.get_backend(process_group))
+    if "gloo" not in backend:
+        raise ValueError(
+            f"the process group holds some of the job's ranks and runs on {backend!r}: rlhfz's "
+            f"agreement between its ranks needs CPU tensors on it, and torch makes a group of "
+            f"rlhfz's own only with every rank of the job taking part. Start the job with "
+            f"init_process_group('cpu:gloo,cuda:nccl'), whose groups carry both")
+
+
 def _digest(value) -> int:
     """A stable 63-bit digest of a value's repr (the same on every rank)."""
     return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(),
@@ -62,10 +86,20 @@ def _digest(value) -> int:
 
 
 class ControlPlane:
-    """A gloo group of rlhfz's own over the ranks of a process group."""
+    """A gloo group of rlhfz's own over the ranks of a process group.
+
+    rows: when every rank of the job makes a plane over a different group
+    (a mesh dimension's groups), the ranks of all those groups, so that each
+    rank makes every one of them (own_group).
+
+    A process group of some ranks of the job (a model group beside others)
+    is built on by its members alone, and torch makes a group only with
+    every rank of the job taking part: there the plane, and the data, run on
+    that group itself, under its own timeout (new_group(timeout=...)). It
+    must carry CPU tensors (gloo, or "cpu:gloo,cuda:nccl")."""
 
     def __init__(self, process_group=None, timeout_s: float | None = None,
-                 timeout_name: str = "RLHFZ_COLLECTIVE_TIMEOUT"):
+                 timeout_name: str = "RLHFZ_COLLECTIVE_TIMEOUT", rows=None):
         self.process_group = process_group
         # a plane of its own may wait less than the collectives do
         self.timeout_s = collective_timeout() if timeout_s is None else float(timeout_s)
@@ -75,15 +109,36 @@ class ControlPlane:
         ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
         self.ranks = ranks                   # global ranks of the group (None: the world)
         self.global_ranks = ranks or list(range(self.world_size))   # group rank -> global
+        self.rows = rows
         self.calls = 0                       # collective entry points this rank has made
-        # Every rank constructs the optimizer, so creating the group here
-        # keeps the collective order of new_group consistent.
-        self.group = dist.new_group(ranks=ranks, backend="gloo",
-                                    timeout=datetime.timedelta(seconds=self.timeout_s))
+        # some ranks of the job: only they build on it (see the class's doc)
+        self.shared = (rows is None and process_group is not None
+                       and self.world_size < dist.get_world_size())
+        if self.shared:
+            _check_carries_cpu(process_group)
+            self.timeout_name = "the process group's own timeout"
+        self.group = self.new_group()
+
+    def new_group(self):
+        """Another gloo group over the plane's ranks, with its timeout (the
+        process group itself where it is shared). Every rank constructs the
+        optimizer, so creating the groups here keeps the collective order of
+        new_group consistent."""
+        if self.shared:
+            return self.process_group
+        if self.rows is not None:
+            return own_group(self.rows, self.timeout_s)
+        return dist.new_group(ranks=self.ranks, backend="gloo",
+                              timeout=datetime.timedelta(seconds=self.timeout_s))
+
+    def sibling(self, timeout_s: float, timeout_name: str) -> "ControlPlane":
+        """A plane of its own over the same ranks, with another timeout."""
+        return ControlPlane(self.process_group, timeout_s=timeout_s, timeout_name=timeout_name,
+                            rows=self.rows)
 
     def destroy(self) -> None:
         group, self.group = self.group, None
-        if group is not None:
+        if group is not None and not self.shared:
             dist.destroy_process_group(group)
 
     def agree(self, call: str, signature=None) -> None:

@@ -23,8 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..engine.layout import rank_range, shard_size
-from .control import (ControlPlane, all_gather_flat, collective_timeout, reduce_scatter_flat,
-                      timeout_delta)
+from .control import ControlPlane, all_gather_flat, collective_timeout, reduce_scatter_flat
 
 GLOO_PIECE_BYTES = 4 << 20
 
@@ -93,6 +92,10 @@ class Pending:
         self.works, self.then = works, then
         self.control, self.call = control, call
 
+    def is_completed(self) -> bool:
+        """Every collective is done (what follows them may not have run yet)."""
+        return all(work.is_completed() for work in self.works)
+
     def wait(self) -> None:
         """Raises CollectiveError if they fail or are not all done within
         rlhfz's timeout (a failed wait leaves nothing in flight)."""
@@ -132,11 +135,10 @@ class TorchEngine:
         # that stalls (a rank alive but elsewhere) ends at rlhfz's timeout
         # and frees gloo's threads; on the caller's group it would hold them,
         # and the process's exit, until that group's timeout.
-        self.data = (dist.new_group(ranks=control.ranks, backend="gloo", timeout=timeout_delta())
-                     if self.gloo else process_group)
+        self.data = control.new_group() if self.gloo else process_group
 
     def destroy(self) -> None:
-        own, self.data = (self.data if self.gloo else None), None
+        own, self.data = (self.data if self.gloo and not self.control.shared else None), None
         if own is not None:
             dist.destroy_process_group(own)
 
