@@ -30,6 +30,10 @@ _LAZY = {
     "full_state_dict": ("rlhfz.model_state", "full_state_dict"),
     "save_pretrained": ("rlhfz.pretrained", "save_pretrained"),
     "load_pretrained": ("rlhfz.pretrained", "load_pretrained"),
+    "sync_weights": ("rlhfz.weight_sync", "sync_weights"),
+    "receive_weights": ("rlhfz.weight_sync", "receive_weights"),
+    "WeightSyncError": ("rlhfz.weight_sync", "WeightSyncError"),
+    "release_sync_buffers": ("rlhfz.weight_sync", "release_sync_buffers"),
 }
 
 
@@ -92,5 +96,6 @@ def __dir__():
 __all__ = ["ZeroAdamW", "NonFiniteGradError", "offload", "reload", "offloaded", "release_pinned",
            "gather_for_generation", "iter_full_params", "save_checkpoint", "load_checkpoint",
            "save_consolidated", "load_consolidated", "CheckpointError", "CollectiveError",
-           "shard_model", "full_state_dict", "save_pretrained", "load_pretrained", "build_info",
+           "shard_model", "full_state_dict", "save_pretrained", "load_pretrained", "sync_weights",
+           "receive_weights", "WeightSyncError", "release_sync_buffers", "build_info",
            "set_num_threads", "get_num_threads", "__version__"]

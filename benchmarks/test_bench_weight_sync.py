@@ -1,0 +1,54 @@
+"""Weight sync from 2 stage-3 trainers to 2 receivers over gloo (CPU), in
+one run: rlhfz's bucketed sync against a raw broadcast of the same bytes
+and against a per-parameter sync (OpenRLHF's way), rounds interleaved. At
+stage 3 the trainers must gather what they send: a raw all-gather of the
+same bytes followed by the raw broadcast is measured too. At stage 2 the
+params are whole on every trainer, which leaves rlhfz's own cost.
+
+extra_info: each way's median seconds and GB/s, rlhfz's fraction of the raw
+broadcast's bandwidth (target 0.8), the per-param sync's, and the sender's
+peak resident memory above its start during each way. The timed call is the
+whole 4-rank run, spawn included.
+
+Run: python -m pytest benchmarks/test_bench_weight_sync.py
+"""
+import pytest
+import torch
+
+import weight_sync_workers
+from rlhfz.launch import run_ranks
+
+ROUNDS = 8
+
+
+@pytest.mark.parametrize("stage", [3, 2])
+@pytest.mark.parametrize("size,bucket_mib", [("medium", 32)])
+def test_weight_sync_2_trainers_to_2_receivers(benchmark, size, bucket_mib, stage):
+    benchmark.group = f"weight-sync-{size}"
+    results = []
+
+    def run():
+        results.append(run_ranks(weight_sync_workers.run, 4, size, ROUNDS, bucket_mib << 20,
+                                 stage, timeout=900))
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    ranks = results[-1]
+    sender = ranks[weight_sync_workers.SRC]
+    for rank in weight_sync_workers.RECEIVERS:              # bit for bit
+        for name, value in sender["weights"].items():
+            assert torch.equal(ranks[rank]["weights"][name], value), name
+    total = sender["bytes"]
+    info = benchmark.extra_info
+    info["bytes"] = total
+    info["params"] = sender["params"]
+    info["bucket_bytes"] = bucket_mib << 20
+    for way, seconds in sender["median_s"].items():
+        info[f"{way}_s"] = round(seconds, 4)
+        info[f"{way}_GBps"] = round(total / seconds / 1e9, 3)
+    info["rlhfz_fraction_of_raw"] = round(sender["median_s"]["raw"] / sender["median_s"]["rlhfz"], 3)
+    info["per_param_fraction_of_raw"] = round(sender["median_s"]["raw"]
+                                              / sender["median_s"]["per_param"], 3)
+    if "gather_then_raw" in sender["median_s"]:
+        info["rlhfz_fraction_of_gather_then_raw"] = round(
+            sender["median_s"]["gather_then_raw"] / sender["median_s"]["rlhfz"], 3)
+    info["sender_peak_extra_bytes"] = sender["peak_extra"]

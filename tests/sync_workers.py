@@ -1,0 +1,157 @@
+"""Per-rank bodies of the weight-sync tests (importable by spawned ranks):
+ranks 0 and 1 train at stage 3, ranks 2 and 3 hold plain models and
+receive; the sync group holds rank 0 (src) and the receivers."""
+import os
+
+import torch
+import torch.distributed as dist
+
+import rlhfz
+from stage3_workers import PROMPT, batches, lm_loss, tiny_lm
+
+TRAINERS, RECEIVERS, SRC = [0, 1], [2, 3], 0
+
+
+def groups():
+    """Every rank makes every group, in one order, as torch asks."""
+    train = dist.new_group(TRAINERS)
+    sync = dist.new_group([SRC] + RECEIVERS)
+    return train, sync
+
+
+def _trained(train_group, steps=3, kind="gpt2", options=None):
+    model = tiny_lm(kind)
+    opt = rlhfz.ZeroAdamW(model, stage=3, lr=1e-2, process_group=train_group,
+                          param_persistence_threshold=64, **(options or {}))
+    rank = dist.get_rank(train_group)
+    for ids in batches(steps):
+        opt.zero_grad()
+        lm_loss(model, ids[rank::2]).backward()
+        opt.step()
+    return model, opt
+
+
+def _logits(model):
+    with torch.no_grad():
+        return model(input_ids=PROMPT).logits
+
+
+def _whole(model):
+    return {name: t.detach().clone() for name, t in rlhfz.iter_full_params(model, 1 << 14)}
+
+
+def sync_exact(rank, world_size):
+    """Bit-exact syncs: fp32 in small buckets (tensors cut in chunks) with a
+    checksum, then bf16 to bf16 receivers; logits match the policy's."""
+    train, sync = groups()
+    out = {}
+    if rank in TRAINERS:
+        model, opt = _trained(train)
+        model.eval()
+        out["whole"] = _whole(model)
+        out["report"] = rlhfz.sync_weights(model, sync if rank == SRC else None, src=SRC,
+                                           bucket_bytes=4096, checksum=True)
+        out["logits"] = _logits(model)
+        out["bf16_report"] = rlhfz.sync_weights(model, sync if rank == SRC else None, src=SRC,
+                                                dtype=torch.bfloat16, bucket_bytes=1 << 14)
+        out["gathered_after"] = opt.stage3.gathered_bytes()
+        return out
+    receiver = tiny_lm("gpt2", seed=rank).eval()          # other values to begin with
+    ids = {id(t) for t in receiver.state_dict(keep_vars=True).values()}
+    out["report"] = rlhfz.receive_weights(receiver, sync, src=SRC)
+    out["whole"] = {name: t.detach().clone() for name, t in receiver.named_parameters()}
+    out["logits"] = _logits(receiver)
+    out["same_tensors"] = ids == {id(t) for t in receiver.state_dict(keep_vars=True).values()}
+    low = tiny_lm("gpt2", seed=rank).to(torch.bfloat16).eval()
+    rlhfz.receive_weights(low, sync, src=SRC)
+    out["bf16"] = {name: t.detach().clone() for name, t in low.named_parameters()}
+    return out
+
+
+def sync_refused(rank, world_size):
+    """A receiver whose model differs (another vocabulary), then one that
+    loads fp32 where bf16 is sent: every rank raises, nothing is written."""
+    os.environ["RLHFZ_COLLECTIVE_TIMEOUT"] = "20"
+    train, sync = groups()
+    errors = []
+    if rank in TRAINERS:
+        model, _ = _trained(train, steps=1)
+        for dtype in (None, torch.bfloat16):
+            try:
+                rlhfz.sync_weights(model, sync if rank == SRC else None, src=SRC, dtype=dtype)
+            except rlhfz.WeightSyncError as error:
+                errors.append(str(error))
+        return {"errors": errors}
+    kinds = {2: "gpt2", 3: "llama"}
+    receiver = tiny_lm(kinds[rank], seed=rank)
+    before = {n: t.clone() for n, t in receiver.state_dict().items()}
+    for _ in range(2):
+        try:
+            rlhfz.receive_weights(receiver, sync, src=SRC)
+        except rlhfz.WeightSyncError as error:
+            errors.append(str(error))
+    after = receiver.state_dict()
+    return {"errors": errors, "untouched": all(torch.equal(before[n], after[n]) for n in after)}
+
+
+def _lora_model(seed):
+    from peft import LoraConfig, get_peft_model
+    torch.manual_seed(seed)
+    return get_peft_model(tiny_lm("gpt2", seed=seed),
+                          LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                     target_modules=["c_attn", "c_fc"], fan_in_fan_out=True))
+
+
+def sync_lora(rank, world_size):
+    """A PEFT LoRA policy at stage 3 (the base sharded without state): merged
+    into a plain base model, and the adapters alone into a PEFT receiver."""
+    train, sync = groups()
+    if rank in TRAINERS:
+        model = _lora_model(0)
+        opt = rlhfz.ZeroAdamW(model, stage=3, lr=1e-2, param_persistence_threshold=64,
+                              process_group=train)
+        for ids in batches(2):
+            opt.zero_grad()
+            lm_loss(model, ids[rank::2]).backward()
+            opt.step()
+        group = sync if rank == SRC else None
+        rlhfz.sync_weights(model, group, src=SRC, bucket_bytes=1 << 13)
+        rlhfz.sync_weights(model, group, src=SRC, adapters="only", checksum=True)
+        model.eval()
+        with rlhfz.gather_for_generation(model):
+            logits = _logits(model)
+        adapters = {n: t for n, t in rlhfz.full_state_dict(model, rank0_only=False).items()
+                    if "lora_" in n}
+        return {"logits": logits, "adapters": adapters}
+    base = tiny_lm("gpt2", seed=rank).eval()
+    rlhfz.receive_weights(base, sync, src=SRC)
+    peft_receiver = _lora_model(rank)
+    rlhfz.receive_weights(peft_receiver, sync, src=SRC)
+    adapters = {n: t.detach().clone() for n, t in peft_receiver.state_dict().items()
+                if "lora_" in n}
+    return {"logits": _logits(base), "adapters": adapters}
+
+
+def hybrid_sender(rank, world_size):
+    """Ranks 0-3 train at stage 3 on a 2x2 mesh (2 replicas of 2 shard ranks)
+    inside a job of 5; rank 4 receives from rank 0. Only rank 0's shard
+    group gathers for the sync."""
+    from torch.distributed.device_mesh import DeviceMesh
+    mesh = DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("replicate", "shard"))
+    sync = dist.new_group([0, 4])
+    if rank == 4:
+        receiver = tiny_lm("gpt2", seed=9)
+        rlhfz.receive_weights(receiver, sync, src=0)
+        return {"whole": {n: p.detach().clone() for n, p in receiver.named_parameters()}}
+    model = tiny_lm("gpt2")
+    opt = rlhfz.ZeroAdamW(model, stage=3, lr=1e-2, device_mesh=mesh,
+                          param_persistence_threshold=64)
+    for ids in batches(2):
+        opt.zero_grad()
+        lm_loss(model, ids[rank::4]).backward()
+        opt.step()
+    gathered = opt.comm.traffic_by_dimension()["shard"]["all_gather"]
+    rlhfz.sync_weights(model, sync if rank == 0 else None, src=0, checksum=True)
+    gathered = opt.comm.traffic_by_dimension()["shard"]["all_gather"] - gathered
+    return {"whole": _whole(model), "sync_gathered": gathered, "coords": (opt.comm.replica,
+                                                                          opt.rank)}
