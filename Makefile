@@ -12,8 +12,9 @@ TORCH_PIN ?= torch==2.13.0
 # peft: LoRA at stage 3 (a sharded frozen base under trainable adapters) is tested on PEFT's models
 # build: the sdist that make wheel-check builds the wheel from
 # pytest-timeout: make gpu-check's limit per test
+# ray: examples/ray_rlhf.py, the actor-group layout, runs in the tests on a local cluster
 DEPS := $(TORCH_PIN) numpy pytest pytest-benchmark pytest-timeout hypothesis "setuptools>=64" \
-	wheel build nvidia-nccl-cu13 transformers trl==1.13.0 requests peft
+	wheel build nvidia-nccl-cu13 transformers trl==1.13.0 requests peft ray
 
 .PHONY: deps install demo test wheel-check sim-deps test-sim test-chaos bench bench-deps gpu-check gpu-sanitize \
 	compare structure clean
