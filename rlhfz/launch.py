@@ -4,8 +4,16 @@
 order, or raises with the failing ranks' tracebacks. The worker must be
 importable by the spawned processes (defined at a module's top level); it is
 called as worker(rank, world_size, *args) inside an initialized gloo group,
-with the machine's cores split between the ranks. Used by the demo and the
-multi-process tests.
+with the machine's cores split between the ranks, in the caller's
+environment as it is at the call. Used by the demo and the multi-process
+tests.
+
+Ranks fork from a server that imported torch once (multiprocessing's
+forkserver), so a rank starts in a fraction of a second, not the seconds an
+import of torch takes. A run whose processes must end through the
+interpreter's exit (Python coverage, gcov, a sanitizer's leak check) spawns
+fresh interpreters instead: RLHFZ_RANK_START=spawn, or any process that
+COVERAGE_PROCESS_START names a coverage configuration for.
 """
 import datetime
 import io
@@ -19,6 +27,9 @@ import traceback
 import torch.multiprocessing as mp
 
 COLLECTIVE_TIMEOUT_S = 60
+# what the fork server imports before it forks ranks; extend it before the
+# first run_ranks (later changes reach no server already started)
+PRELOAD = ["torch", "torch.distributed"]
 # the most ranks the tests run on one machine
 RANKS_PER_MACHINE = 4
 
@@ -48,6 +59,31 @@ def _share_cores(world_size: int) -> None:
     rlhfz.set_num_threads(max(1, _cores() // world_size))
 
 
+_SERVER_STARTED_WITH = [None]      # (environment, preload) of the running fork server
+
+
+def _context():
+    method = os.environ.get("RLHFZ_RANK_START", "forkserver")
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"RLHFZ_RANK_START must be 'forkserver' or 'spawn', not {method!r}")
+    from multiprocessing import forkserver
+    server = getattr(forkserver, "_forkserver", None)
+    if method == "spawn" or os.environ.get("COVERAGE_PROCESS_START") \
+            or not hasattr(server, "_stop"):
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    # A rank has the environment its server started with, and reads some of
+    # it as rlhfz loads, before any code of a worker runs: a server started
+    # before the caller's environment changed is replaced.
+    wanted = ({k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"},
+              list(PRELOAD))
+    if _SERVER_STARTED_WITH[0] != wanted:
+        server._stop()
+        ctx.set_forkserver_preload(PRELOAD)
+        _SERVER_STARTED_WITH[0] = wanted
+    return ctx
+
+
 def _entry(worker, rank, world_size, store_path, results, args):
     import torch.distributed as dist
     os.environ.setdefault("RLHFZ_COLLECTIVE_TIMEOUT", str(COLLECTIVE_TIMEOUT_S))
@@ -70,7 +106,7 @@ def _entry(worker, rank, world_size, store_path, results, args):
 
 
 def run_ranks(worker, world_size, *args, timeout=180):
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     # A file store: no port to pick, so none another process can take first.
     store_dir = tempfile.mkdtemp(prefix="rlhfz-ranks-")

@@ -29,9 +29,15 @@ def pytest_configure(config):
     the tests compare with ones computed here, bit for bit."""
     import os
 
+    import importlib.util
+
     import torch
-    from rlhfz.launch import torch_threads
-    torch.set_num_threads(torch_threads())
+    from rlhfz import launch
+    torch.set_num_threads(launch.torch_threads())
+    # what the tests' ranks import, imported once by the server they fork from
+    launch.PRELOAD += [name for name in ("transformers", "transformers.models.gpt2.modeling_gpt2",
+                                         "transformers.models.llama.modeling_llama", "peft")
+                       if importlib.util.find_spec(name.split(".")[0]) is not None]
     expected = os.environ.get("RLHFZ_EXPECT_INSTALLED_UNDER")
     if expected:
         where = os.path.realpath(rlhfz.__file__)
