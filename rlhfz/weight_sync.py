@@ -13,7 +13,9 @@ other trainers stay out of it: they only take part in the gathers.
    agree, so that a mismatch is an error everywhere, never a hang.
 2. Then flat byte buckets, one broadcast each: small tensors back to back,
    large ones in buckets of their own, in chunks of a bucket, sent from and
-   received into their own memory (plan_buckets, the same on both sides).
+   received into their own memory (plan_buckets; the manifest says where
+   "large" starts: half a bucket, or 1 MiB under stage 3, whose gathered
+   units are sent from without a second copy).
    Two buffers alternate, so the sender gathers and packs the next bucket
    while the current one is on the wire; a receiver unpacks one bucket
    while the next arrives. They are kept for the next sync (faulting in
@@ -43,9 +45,14 @@ from .lora_export import is_peft, merged
 from .model_state import unwrapped, whole_shape
 from .pretrained import export_entries
 
-FORMAT = "rlhfz.weight_sync.v1"
+FORMAT = "rlhfz.weight_sync.v2"
 # every piece starts on this many bytes, so a bucket's bytes view as any dtype
 PIECE_ALIGN = 16
+# Under stage 3 what is sent lies in gathered units, memory held anyway: a
+# tensor of this size or more goes from there (in place of a second copy in
+# a bucket buffer). Whole params (stages 0-2) are packed up to half a
+# bucket: on the host, fewer broadcasts cost less than the packing copies.
+GATHERED_DIRECT_BYTES = 1 << 20
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -71,12 +78,15 @@ class SyncBucket(NamedTuple):
 
 
 def plan_buckets(specs: list[tuple[tuple[int, ...], torch.dtype]],
-                 bucket_bytes: int) -> list[SyncBucket]:
+                 bucket_bytes: int, direct_bytes: int | None = None) -> list[SyncBucket]:
     """Buckets of at most bucket_bytes for tensors of (shape, dtype), in
-    order. A tensor of half a bucket or more goes in buckets of its own, in
-    chunks of a bucket (sent from and received into its own memory: no copy
-    on either side); smaller ones are packed back to back, each piece on a
-    16-byte boundary. Fewer, larger broadcasts: each has a fixed cost."""
+    order. A tensor of direct_bytes or more (default: half a bucket) goes in
+    buckets of its own, in chunks of a bucket (sent from and received into
+    its own memory: no copy on either side); smaller ones are packed back to
+    back, each piece on a 16-byte boundary. Fewer, larger broadcasts: each
+    has a fixed cost."""
+    if direct_bytes is None:
+        direct_bytes = bucket_bytes // 2
     buckets, pieces, used = [], [], 0
 
     def close():
@@ -88,7 +98,7 @@ def plan_buckets(specs: list[tuple[tuple[int, ...], torch.dtype]],
     for index, (shape, dtype) in enumerate(specs):
         itemsize = torch.empty((), dtype=dtype).element_size()
         numel = _numel(shape)
-        if numel and numel * itemsize >= bucket_bytes // 2:
+        if numel and numel * itemsize >= direct_bytes:
             close()
             per = max(1, bucket_bytes // itemsize)
             for start in range(0, numel, per):
@@ -170,13 +180,15 @@ class _Sender:
         for _, name, t, _ in self.entries:
             sent = dtype if dtype is not None and t.dtype in _FLOATS else t.dtype
             self.specs.append((tuple(whole_shape(slots, t)), sent))
-        self.buckets = plan_buckets(self.specs, bucket_bytes)
         self.bucket_bytes = bucket_bytes
+        self.direct_bytes = (min(GATHERED_DIRECT_BYTES, bucket_bytes // 2)
+                             if self.stage3 is not None else bucket_bytes // 2)
+        self.buckets = plan_buckets(self.specs, bucket_bytes, self.direct_bytes)
         self._last = None
 
     def manifest(self, adapters: str, checksum: bool) -> dict:
-        return {"format": FORMAT, "bucket_bytes": self.bucket_bytes, "adapters": adapters,
-                "checksum": checksum,
+        return {"format": FORMAT, "bucket_bytes": self.bucket_bytes,
+                "direct_bytes": self.direct_bytes, "adapters": adapters, "checksum": checksum,
                 "tensors": [(name, list(shape), _dtype_name(dtype))
                             for (_, name, _, _), (shape, dtype) in zip(self.entries, self.specs)]}
 
@@ -399,8 +411,12 @@ def _host_bytes(t: torch.Tensor):
 
 def _check_manifest(manifest, inner) -> tuple[list, str | None]:
     """(the receiver's tensors in the manifest's order, or an error)."""
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    if not isinstance(manifest, dict) or not str(manifest.get("format")).startswith(
+            "rlhfz.weight_sync."):
         return [], f"not an rlhfz weight-sync manifest ({type(manifest).__name__})"
+    if manifest["format"] != FORMAT:
+        return [], (f"the sender speaks {manifest['format']}, this receiver {FORMAT}: run the "
+                    f"same rlhfz on both sides")
     mine, seen = {}, set()
     for name, t in inner.state_dict(keep_vars=True).items():
         if id(t) not in seen:
@@ -461,7 +477,7 @@ def receive_weights(model, group, *, src: int = 0) -> dict:
         raise WeightSyncError(f"receive_weights: another receiver refused the manifest: "
                               f"{verdict}")
     specs = [(tuple(shape), _dtype_of(dtype)) for _, shape, dtype in manifest["tensors"]]
-    buckets = plan_buckets(specs, manifest["bucket_bytes"])
+    buckets = plan_buckets(specs, manifest["bucket_bytes"], manifest["direct_bytes"])
     _receive_buckets(buckets, specs, targets, channel)
     if manifest["checksum"]:
         mine = 0

@@ -31,6 +31,10 @@ def test_plan_cuts_large_tensors_and_aligns_every_piece():
     assert sum(direct for _, _, direct in buckets) == 4 + 9     # 2000 and 4356 bytes in chunks
     one = plan_buckets(specs, 1 << 20)
     assert len(one) == 1 and not one[0].direct
+    # where "large" starts is the sender's to say (the manifest carries it)
+    low = plan_buckets(specs, 512, direct_bytes=61)
+    assert [b.pieces[0][0] for b in low if b.direct] == [1] * 4 + [4] * 9 + [5]
+    assert [[p[0] for p in b.pieces] for b in low if not b.direct] == [[0], [2, 3]]
 
 
 def test_a_sync_is_bit_exact_and_checked():
