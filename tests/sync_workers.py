@@ -70,7 +70,8 @@ def sync_exact(rank, world_size):
 
 def sync_refused(rank, world_size):
     """A receiver whose model differs (another vocabulary), then one that
-    loads fp32 where bf16 is sent: every rank raises, nothing is written."""
+    loads fp32 where bf16 is sent: every rank raises, nothing is written.
+    Then a manifest of another format (another rlhfz's), refused by both."""
     os.environ["RLHFZ_COLLECTIVE_TIMEOUT"] = "20"
     train, sync = groups()
     errors = []
@@ -81,11 +82,17 @@ def sync_refused(rank, world_size):
                 rlhfz.sync_weights(model, sync if rank == SRC else None, src=SRC, dtype=dtype)
             except rlhfz.WeightSyncError as error:
                 errors.append(str(error))
-        return {"errors": errors}
+        verdict = None
+        if rank == SRC:
+            from rlhfz.comm.channel import BroadcastChannel
+            channel = BroadcastChannel(sync, SRC)
+            channel.object({"format": "rlhfz.weight_sync.v1", "tensors": []})
+            verdict = channel.verdict(None)
+        return {"errors": errors, "format_verdict": verdict}
     kinds = {2: "gpt2", 3: "llama"}
     receiver = tiny_lm(kinds[rank], seed=rank)
     before = {n: t.clone() for n, t in receiver.state_dict().items()}
-    for _ in range(2):
+    for _ in range(3):
         try:
             rlhfz.receive_weights(receiver, sync, src=SRC)
         except rlhfz.WeightSyncError as error:

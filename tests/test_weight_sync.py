@@ -58,7 +58,11 @@ def test_a_sync_is_bit_exact_and_checked():
 def test_a_manifest_that_does_not_fit_fails_everywhere_and_writes_nothing():
     results = run_ranks(workers.sync_refused, 4)
     for rank, result in enumerate(results):
-        assert len(result["errors"]) == 2, rank
+        assert len(result["errors"]) == (2 if rank in workers.TRAINERS else 3), rank
+    for rank in workers.RECEIVERS:
+        assert "rlhfz.weight_sync.v1" in results[rank]["errors"][2]
+        assert "same rlhfz on both sides" in results[rank]["errors"][2]
+    assert "same rlhfz" in results[workers.SRC]["format_verdict"]
     assert "in this model but not sent" in results[3]["errors"][0]        # the llama receiver
     assert "another receiver refused" in results[2]["errors"][0]
     assert "bfloat16" in results[2]["errors"][1] and "dtype=" in results[2]["errors"][1]
