@@ -139,8 +139,9 @@ def differently_shaped_models(rank, world_size):
 
 
 def sockets_after_close(rank, world_size):
-    """The open sockets before an optimizer, with it, and after its close():
-    a program that builds optimizers in a loop must not pile up groups."""
+    """The open sockets (inodes) before an optimizer, with it, and after its
+    close(): a program that builds optimizers in a loop must not pile up
+    groups."""
     from soak_workers import socket_inodes
     before = socket_inodes()
     model = make_model()
@@ -148,7 +149,7 @@ def sockets_after_close(rank, world_size):
     train(model, opt, batches(2), rank, world_size)
     during = socket_inodes()
     opt.close()
-    return {"before": len(before), "during": len(during), "after": len(socket_inodes())}
+    return {"before": before, "during": during, "after": socket_inodes()}
 
 
 def abandoned_collective_drained_at_exit(rank, world_size):

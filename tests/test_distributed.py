@@ -121,9 +121,12 @@ def test_ranks_with_different_models_fail_at_construction():
 
 
 def test_close_releases_the_optimizers_process_groups():
-    for counts in run_ranks(workers.sockets_after_close, 3):
-        assert counts["during"] > counts["before"], counts
-        assert counts["after"] == counts["before"], counts
+    for sockets in run_ranks(workers.sockets_after_close, 3):
+        made = sockets["during"] - sockets["before"]
+        assert made, sockets                           # the optimizer's own groups
+        # none of them is left, nor any other new one (the default group's
+        # connections may come and go with gloo's own timing)
+        assert not sockets["after"] - sockets["before"], sockets
 
 
 def test_a_collective_left_in_flight_is_finished_before_exit():
