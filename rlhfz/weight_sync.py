@@ -33,6 +33,7 @@ under the base model's names; "only" sends the adapters' params.
 """
 from __future__ import annotations
 
+import math
 import time
 import zlib
 from typing import NamedTuple
@@ -96,8 +97,8 @@ def plan_buckets(specs: list[tuple[tuple[int, ...], torch.dtype]],
         pieces, used = [], 0
 
     for index, (shape, dtype) in enumerate(specs):
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        numel = _numel(shape)
+        itemsize = dtype.itemsize
+        numel = math.prod(shape)
         if numel and numel * itemsize >= direct_bytes:
             close()
             per = max(1, bucket_bytes // itemsize)
@@ -113,13 +114,6 @@ def plan_buckets(specs: list[tuple[tuple[int, ...], torch.dtype]],
         used = offset + numel * itemsize
     close()
     return buckets
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -273,7 +267,7 @@ def sync_weights(model, group, *, src: int = 0, bucket_bytes: int = 256 << 20, d
             raise ValueError(f"src (rank {src}) is not one of the training model's ranks "
                              f"{comm.members}")
     report = {"tensors": len(sender.entries), "buckets": len(sender.buckets),
-              "bytes": sum(_numel(shape) * torch.empty((), dtype=d).element_size()
+              "bytes": sum(math.prod(shape) * d.itemsize
                            for shape, d in sender.specs), "buffer_bytes": 0}
     if comm is None and me != src:
         return dict(report, seconds=0.0)        # params are whole on src: nothing to gather
@@ -361,7 +355,7 @@ def _send_buckets(sender: _Sender, channel: BroadcastChannel, checksum: bool,
         buffer = buffers[k % 2]
         index, start, count, offset = piece
         dtype = sender.specs[index][1]
-        end = offset + count * torch.empty((), dtype=dtype).element_size()
+        end = offset + count * dtype.itemsize
         with torch.no_grad():
             if offset > filled["end"]:          # alignment gaps: the same bytes every time
                 buffer[filled["end"]:offset].zero_()
@@ -424,7 +418,8 @@ def _check_manifest(manifest, inner) -> tuple[list, str | None]:
             mine[name] = t
     sent = [name for name, _, _ in manifest["tensors"]]
     missing = [n for n in sent if n not in mine]
-    extra = [n for n in mine if n not in set(sent)] if manifest["adapters"] != "only" else []
+    named = set(sent)
+    extra = [n for n in mine if n not in named] if manifest["adapters"] != "only" else []
     wrong, targets = [], []
     for name, shape, dtype in manifest["tensors"]:
         t = mine.get(name)
@@ -490,7 +485,7 @@ def receive_weights(model, group, *, src: int = 0) -> dict:
         if verdict is not None:
             raise WeightSyncError(f"receive_weights: checksum mismatch: {verdict}")
     return {"tensors": len(targets), "buckets": len(buckets),
-            "bytes": sum(_numel(s) * torch.empty((), dtype=d).element_size() for s, d in specs),
+            "bytes": sum(math.prod(s) * d.itemsize for s, d in specs),
             "seconds": time.perf_counter() - started}
 
 
@@ -527,7 +522,7 @@ def _receive_buckets(buckets, specs, targets, channel: BroadcastChannel) -> None
                 buffer = buffers[k % 2]
                 for index, start, count, offset in bucket.pieces:
                     dtype = specs[index][1]
-                    itemsize = torch.empty((), dtype=dtype).element_size()
+                    itemsize = dtype.itemsize
                     source = buffer[offset:offset + count * itemsize].view(dtype)
                     targets[index].detach().view(-1)[start:start + count].copy_(source)
             work = upcoming
