@@ -2,8 +2,10 @@
 one run: rlhfz's bucketed sync against a raw broadcast of the same bytes
 and against a per-parameter sync (OpenRLHF's way), rounds interleaved. At
 stage 3 the trainers must gather what they send: a raw all-gather of the
-same bytes followed by the raw broadcast is measured too. At stage 2 the
-params are whole on every trainer, which leaves rlhfz's own cost.
+same bytes followed by the raw broadcast is measured too, and a raw
+point-to-point gather onto the sender (what rlhfz moves on gloo) followed
+by it. At stage 2 the params are whole on every trainer, which leaves
+rlhfz's own cost.
 
 extra_info: each way's median seconds and GB/s, rlhfz's fraction of the raw
 broadcast's bandwidth (target 0.8), the per-param sync's, and the sender's
@@ -48,7 +50,8 @@ def test_weight_sync_2_trainers_to_2_receivers(benchmark, size, bucket_mib, stag
     info["rlhfz_fraction_of_raw"] = round(sender["median_s"]["raw"] / sender["median_s"]["rlhfz"], 3)
     info["per_param_fraction_of_raw"] = round(sender["median_s"]["raw"]
                                               / sender["median_s"]["per_param"], 3)
-    if "gather_then_raw" in sender["median_s"]:
-        info["rlhfz_fraction_of_gather_then_raw"] = round(
-            sender["median_s"]["gather_then_raw"] / sender["median_s"]["rlhfz"], 3)
+    for serial in ("gather_then_raw", "gather_onto_src_then_raw"):
+        if serial in sender["median_s"]:
+            info[f"rlhfz_fraction_of_{serial}"] = round(
+                sender["median_s"][serial] / sender["median_s"]["rlhfz"], 3)
     info["sender_peak_extra_bytes"] = sender["peak_extra"]

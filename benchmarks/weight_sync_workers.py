@@ -7,7 +7,10 @@ same weights, in interleaved rounds:
 - rlhfz: sync_weights / receive_weights (gathers, manifest, buckets);
 - per_param: OpenRLHF's way, unit by unit gathered and one broadcast per param;
 - gather_then_raw (stage 3): the trainers' raw all-gather of the model's
-  bytes, then the raw broadcast: what a stage-3 sync moves, with no overlap.
+  bytes, then the raw broadcast;
+- gather_onto_src_then_raw (stage 3): the other trainer's half sent to src
+  (point to point, in 4 MiB pieces), then the raw broadcast: what rlhfz's
+  stage-3 sync moves on gloo, with no overlap.
 At stage 2 the trainers hold whole params: no gathers, rlhfz's own cost.
 Each round starts at a barrier of all four ranks and ends when the last
 rank is done; the sender's peak resident memory above its start is read
@@ -101,9 +104,23 @@ def run(rank, world_size, size, rounds, bucket_bytes, stage=3):
             dist.all_gather_into_tensor(flat[:half.numel() * len(TRAINERS)], half, group=train)
         raw()
 
+    def gather_onto_src_then_raw():
+        if trainer:
+            step, other = 4 << 20, [r for r in TRAINERS if r != SRC][0]
+            pieces = range(0, half.numel(), step)
+            if rank == SRC:
+                into = flat[half.numel():]
+                works = [dist.irecv(into[i:i + step], src=other, group=train) for i in pieces]
+            else:
+                works = [dist.isend(half[i:i + step], dst=SRC, group=train) for i in pieces]
+            for work in works:
+                work.wait()
+        raw()
+
     ways = {"raw": raw, "rlhfz": rlhfz_sync, "per_param": per_param}
     if stage == 3:
         ways["gather_then_raw"] = gather_then_raw
+        ways["gather_onto_src_then_raw"] = gather_onto_src_then_raw
     times = {name: [] for name in ways}
     peaks = {name: [] for name in ways}
     for _ in range(rounds):

@@ -23,6 +23,8 @@ gathers it again anyway.
 """
 from __future__ import annotations
 
+import contextlib
+
 import weakref
 
 import torch
@@ -145,6 +147,8 @@ class Stage3:
         # exceed (gather_for_generation sets it); None: no limit.
         self.limit: int | None = None
         self.running = False                  # inside the root's forward
+        self.gather_rank: int | None = None   # gathers_onto(): the one rank made whole
+        self._rooted: set[int] = set()        # units gathered onto it
         self.peak_bytes = 0
         self._pending = {}                    # unit -> in-flight gather works
         self._whole: set[int] = set()         # units with gathered params (or in flight)
@@ -219,9 +223,12 @@ class Stage3:
     def _start(self, index: int, async_op: bool) -> list:
         """Gathers a unit's buckets that are not whole; their works."""
         works = []
+        if self.gather_rank is not None:
+            self._rooted.add(index)
         for bucket in self.units[index][1]:
             if bucket.gathered is None:
-                works.append(bucket.gather(self.comm, async_op=async_op))
+                works.append(bucket.gather(self.comm, async_op=async_op,
+                                           root=self.gather_rank))
                 self._gathered += bucket.gathered_bytes()
         self._whole.add(index)
         self.peak_bytes = max(self.peak_bytes, self._gathered)
@@ -252,6 +259,9 @@ class Stage3:
     def release(self, index: int) -> None:
         if self.suspended or index in self.keep:
             return
+        self._drop(index)
+
+    def _drop(self, index: int) -> None:
         work = self._pending.pop(index, None)
         for w in work or []:
             if w is not None:
@@ -264,6 +274,23 @@ class Stage3:
     def release_all(self) -> None:
         for index in sorted(self._whole):
             self.release(index)
+
+    @contextlib.contextmanager
+    def gathers_onto(self, rank: int):
+        """Within it, gathers make params whole on the shard group's `rank`
+        alone (a weight sync's sender): the others only send their shards,
+        half an all-gather's bytes. Units whole already stay so; the units
+        it gathered are all released at the end, kept ones too, so that
+        every rank leaves it alike. Where the engine has no such gather,
+        units gather whole everywhere."""
+        self.gather_rank = rank if self.comm.gathers_to_one else None
+        try:
+            yield
+        finally:
+            self.gather_rank = None
+            rooted, self._rooted = self._rooted, set()
+            for index in sorted(rooted & self._whole):
+                self._drop(index)
 
     def hold_all(self) -> None:
         """Every unit whole until unhold_all (the hooks stand aside). All

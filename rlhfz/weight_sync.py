@@ -5,7 +5,9 @@ model; receive_weights(model, group, src=...) on every receiver, a process
 that holds a plain, unsharded copy of the model (as a vLLM worker does).
 `group` is a torch.distributed process group of the sending trainer (`src`,
 a global rank) and every receiver, as OpenRLHF's model-update group. The
-other trainers stay out of it: they only take part in the gathers.
+other trainers stay out of it: they only take part in the gathers, which
+make the units whole on src alone where the engine can (gloo: the others
+send their shards, half an all-gather's bytes; Stage3.gathers_onto).
 
 1. A manifest goes over first: every tensor's name, shape and dtype as
    sent, and the bucket size. Each receiver checks it against its model,
@@ -198,11 +200,19 @@ class _Sender:
                           if "lora_" in n and id(p) in self.unit_of}
         return units
 
-    def run(self, pack=None, flush=None, before_release=None) -> None:
+    def run(self, root: int | None = None, pack=None, flush=None,
+            before_release=None) -> None:
         """Walks the buckets piece by piece, holding gathered the units the
         current piece reads and, in flight, the next piece's (a collective
-        when the model is sharded): pack(k, piece, value_of) fills bucket k,
-        flush(k, value_of) sends it; before_release() before units go."""
+        when the model is sharded, onto the shard group's rank `root`
+        alone): pack(k, piece, value_of) fills bucket k, flush(k, value_of)
+        sends it; before_release() before units go."""
+        if self.stage3 is None:
+            return self._walk(pack, flush, before_release)
+        with self.stage3.gathers_onto(root):
+            return self._walk(pack, flush, before_release)
+
+    def _walk(self, pack, flush, before_release) -> None:
         pieces = [(k, piece) for k, bucket in enumerate(self.buckets)
                   for piece in bucket.pieces]
         needs = [self.units_of([piece]) for _, piece in pieces]
@@ -280,10 +290,11 @@ def sync_weights(model, group, *, src: int = 0, bucket_bytes: int = 256 << 20, d
     # only the ranks whose shards src needs gather (under hybrid sharding: src's group)
     gathers = comm is not None and src in comm.shard_ranks
     crc = [0]
+    root = comm.shard_ranks.index(src) if gathers else None
     if channel is not None:
-        report["buffer_bytes"] = _send_buckets(sender, channel, checksum, crc)
+        report["buffer_bytes"] = _send_buckets(sender, channel, checksum, crc, root)
     elif gathers:
-        sender.run()
+        sender.run(root)
     if checksum:
         verdict = None
         if channel is not None:
@@ -326,7 +337,7 @@ def release_sync_buffers() -> None:
 
 
 def _send_buckets(sender: _Sender, channel: BroadcastChannel, checksum: bool,
-                  crc: list) -> int:
+                  crc: list, root: int | None) -> int:
     """Packs and broadcasts every bucket through two alternating buffers (a
     direct bucket from its tensor's memory, kept alive and gathered until
     it has gone); returns the buffers' bytes."""
@@ -388,7 +399,7 @@ def _send_buckets(sender: _Sender, channel: BroadcastChannel, checksum: bool,
             reading.pop(0)[0].wait()
 
     try:
-        sender.run(pack, flush, before_release)
+        sender.run(root, pack, flush, before_release)
     finally:
         for work in works:
             if work is not None:

@@ -267,7 +267,27 @@ def communicator_primitives(rank, world_size, piece_bytes):
         gathered = torch.full((shard * world_size,), -1.0, dtype=dtype)
         comm.all_gather(gathered, everyone[rank][:shard])
         out[f"all_gather_{dtype}"] = (gathered, torch.cat([t[:shard] for t in everyone]))
+        # onto each rank in turn, one in flight beside an all-gather
+        for root in range(world_size):
+            sent = comm.traffic["gather"]
+            onto = torch.full((shard * world_size,), -1.0, dtype=dtype) if rank == root else None
+            work = comm.gather_to(root, onto, everyone[rank][shard:2 * shard], async_op=True)
+            beside = torch.empty(shard * world_size, dtype=dtype)
+            comm.all_gather(beside, everyone[rank][:shard])
+            work.wait()
+            out[f"gather_beside_{root}_{dtype}"] = (beside,
+                                                    torch.cat([t[:shard] for t in everyone]))
+            sent = comm.traffic["gather"] - sent
+            if rank == root:
+                out[f"gather_to_{root}_{dtype}"] = (
+                    onto, torch.cat([t[shard:2 * shard] for t in everyone]))
+                out[f"gather_sent_by_root_{root}_{dtype}"] = (torch.tensor(sent),
+                                                              torch.tensor(0))
+            else:
+                out[f"gather_sent_{root}_{dtype}"] = (torch.tensor(sent),
+                                                      torch.tensor(shard * dtype.itemsize))
     return out
+
 
 
 def bucket_cap(rank, world_size, bucket_bytes):

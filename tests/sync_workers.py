@@ -157,8 +157,52 @@ def hybrid_sender(rank, world_size):
         opt.zero_grad()
         lm_loss(model, ids[rank::4]).backward()
         opt.step()
-    gathered = opt.comm.traffic_by_dimension()["shard"]["all_gather"]
+    before = opt.comm.traffic_by_dimension()
     rlhfz.sync_weights(model, sync if rank == 0 else None, src=0, checksum=True)
-    gathered = opt.comm.traffic_by_dimension()["shard"]["all_gather"] - gathered
-    return {"whole": _whole(model), "sync_gathered": gathered, "coords": (opt.comm.replica,
-                                                                          opt.rank)}
+    after = opt.comm.traffic_by_dimension()
+    sent = {dim: {c: after[dim][c] - before[dim][c] for c in after[dim]} for dim in after}
+    shard_bytes = sum(b.flat_param_shard.numel() * b.itemsize
+                      for _, buckets in opt.stage3.units for b in buckets)
+    return {"whole": _whole(model), "sync_sent": sent, "shard_bytes": shard_bytes,
+            "coords": (opt.comm.replica, opt.rank)}
+
+
+def _sent_to_others(opt) -> bool:
+    """Whether a bucket is left counted as gathered while this rank only
+    sent its shard (a sync that left the ranks unalike)."""
+    return any(b.gathered is not None and b.gathered[1] is None
+               for _, buckets in opt.stage3.units for b in buckets)
+
+
+def sync_in_generation(rank, world_size):
+    """Syncs inside each generation mode: gathered onto src alone, the
+    units gathered for the sync go everywhere after it and those the mode
+    holds stay held, so both trainers go on alike. Outside generation
+    nothing is all-gathered, and the other trainer sends its shards only."""
+    train, sync = groups()
+    modes = [{}, {"enabled": False}, {"budget_bytes": 1 << 14}]
+    if rank not in TRAINERS:
+        out = []
+        for _ in range(len(modes) + 1):
+            receiver = tiny_lm("gpt2", seed=rank).eval()
+            rlhfz.receive_weights(receiver, sync, src=SRC)
+            out.append(_logits(receiver))
+        return {"logits": out}
+    model, opt = _trained(train)
+    model.eval()
+    group = sync if rank == SRC else None
+    before = dict(opt.comm.traffic)
+    rlhfz.sync_weights(model, group, src=SRC, bucket_bytes=1 << 13)
+    sent = {c: opt.comm.traffic[c] - before[c] for c in before}
+    out = {"sent": sent, "logits": [_logits(model)], "left": [_sent_to_others(opt)],
+           "shard_bytes": sum(b.flat_param_shard.numel() * b.itemsize
+                              for _, buckets in opt.stage3.units for b in buckets)}
+    for mode in modes:
+        with rlhfz.gather_for_generation(model, **mode):
+            held = opt.stage3.gathered_bytes()
+            rlhfz.sync_weights(model, group, src=SRC, bucket_bytes=1 << 13, checksum=True)
+            out.setdefault("held_after_sync", []).append(opt.stage3.gathered_bytes() == held)
+            out["left"].append(_sent_to_others(opt))
+            out["logits"].append(_logits(model))
+    out["gathered_after"] = opt.stage3.gathered_bytes()
+    return out

@@ -39,7 +39,7 @@ def _check_common(results, parity_params):
 def _crossing(result):
     """Per step across the replicate dimension: one all-reduce of the grad shard, no gathers."""
     across = result["traffic"]["replicate"]
-    assert across == {"reduce_scatter": 0, "all_gather": 0,
+    assert across == {"reduce_scatter": 0, "all_gather": 0, "gather": 0,
                       "all_reduce": result["grad_shard_bytes"]}
     assert result["traffic"]["shard"]["all_gather"] > 0
 

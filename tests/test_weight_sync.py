@@ -88,6 +88,32 @@ def test_a_hybrid_sharded_sender_inside_a_larger_job():
     for name, value in results[0]["whole"].items():
         assert torch.equal(results[4]["whole"][name], value), name
         assert torch.equal(results[3]["whole"][name], value), name
-    by_coords = {r["coords"]: r["sync_gathered"] for r in results[:4]}
-    assert by_coords[(0, 0)] > 0 and by_coords[(0, 1)] > 0
-    assert by_coords[(1, 0)] == by_coords[(1, 1)] == 0
+    by_coords = {r["coords"]: r for r in results[:4]}
+    # gathered onto the sender alone: its shard peer sends its whole shard
+    # once, the sender nothing, and nothing crosses to or from the other replica
+    nothing = {"shard": {"reduce_scatter": 0, "all_gather": 0, "gather": 0, "all_reduce": 0},
+               "replicate": {"reduce_scatter": 0, "all_gather": 0, "gather": 0,
+                             "all_reduce": 0}}
+    peer = by_coords[(0, 1)]
+    assert peer["sync_sent"]["shard"]["gather"] == peer["shard_bytes"] > 0
+    assert dict(peer["sync_sent"], shard=dict(peer["sync_sent"]["shard"], gather=0)) == nothing
+    for coords in [(0, 0), (1, 0), (1, 1)]:
+        assert by_coords[coords]["sync_sent"] == nothing, coords
+
+
+def test_a_sync_inside_generation_leaves_both_trainers_alike():
+    results = run_ranks(workers.sync_in_generation, 4)
+    policy, other = results[0], results[1]
+    # gathered onto src alone: the other trainer sends its shards once, src nothing
+    assert policy["sent"] == {"reduce_scatter": 0, "all_gather": 0, "gather": 0,
+                              "all_reduce": 0}
+    assert other["sent"] == dict(policy["sent"], gather=other["shard_bytes"])
+    for trainer in (policy, other):
+        assert trainer["held_after_sync"] == [True, True, True]
+        assert not any(trainer["left"])
+        assert trainer["gathered_after"] == 0
+        for logits in trainer["logits"]:
+            torch.testing.assert_close(logits, policy["logits"][0], rtol=0, atol=0)
+    for rank in workers.RECEIVERS:
+        for logits in results[rank]["logits"]:
+            torch.testing.assert_close(logits, policy["logits"][0], rtol=1e-5, atol=1e-5)

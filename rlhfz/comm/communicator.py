@@ -1,9 +1,9 @@
 """A Communicator: a control plane and a data engine over one process group.
 
 agree / exchange / statuses on the control plane; reduce-scatter,
-all-gather and all-reduce on flat tensors (views of rlhfz buffers) on the
-engine, each counted in bytes by collective; and the first rank's values to
-every rank at start.
+all-gather, gather to one rank and all-reduce on flat tensors (views of
+rlhfz buffers) on the engine, each counted in bytes by collective; and the
+first rank's values to every rank at start.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ class Communicator:
         self.torch = TorchEngine(self.control, process_group)
         self.data = self.torch
         # bytes handed to each data collective: what this rank puts on the wire
-        self.traffic = {"reduce_scatter": 0, "all_gather": 0, "all_reduce": 0}
+        self.traffic = {"reduce_scatter": 0, "all_gather": 0, "gather": 0, "all_reduce": 0}
 
     @property
     def leads(self) -> bool:
@@ -110,6 +110,20 @@ class Communicator:
         """full_out = the ranks' shards back to back."""
         self.traffic["all_gather"] += _nbytes(shard_in)
         return self.data.all_gather(full_out, shard_in, async_op=async_op)
+
+    @property
+    def gathers_to_one(self) -> bool:
+        """gather_to moves only what one rank needs (gloo). Elsewhere callers
+        all-gather: on GPUs the gather runs on the fast link within a node."""
+        return self.data is self.torch and self.torch.gloo
+
+    def gather_to(self, root: int, full_out: torch.Tensor | None, shard_in: torch.Tensor,
+                  async_op: bool = False):
+        """full_out on rank `root` = the ranks' shards back to back; the others
+        only send theirs. Only where gathers_to_one."""
+        if self.rank != root:
+            self.traffic["gather"] += _nbytes(shard_in)
+        return self.data.gather_to(root, full_out, shard_in, async_op=async_op)
 
     def all_reduce_avg(self, tensor: torch.Tensor, async_op: bool = False):
         """tensor = its mean over ranks, in place."""

@@ -46,7 +46,9 @@ class Bucket:
         # rank's shard of the params too.
         self.sharded_params = sharded_params
         self.param_base = 0 if sharded_params else self.shard.start
-        self.gathered = None          # stage 3: (bytes, flat tensor) while gathered
+        # stage 3: (bytes, flat tensor) while gathered; (bytes, None) while
+        # sent to another rank's gather (gather(root=...))
+        self.gathered = None
         # Stage 2 keeps no full-size grads: the reducer stages them briefly.
         self.full_grads = full_grads
         # Grads are averaged across ranks in reduce_dtype. Stage 2 keeps the
@@ -348,9 +350,12 @@ class Bucket:
 
     # ---- stage 3: whole params only while needed ----------------------------------
 
-    def gather(self, comm, async_op: bool = False):
+    def gather(self, comm, async_op: bool = False, root: int | None = None):
         """Makes every param whole (param.data a view of a gathered bucket);
-        returns the collective's work with async_op."""
+        returns the collective's work with async_op. With root (a rank of
+        comm, where comm.gathers_to_one), only root's params become whole:
+        the others send their shards and stay as they are, though counted
+        as gathered, so that every rank decides alike what to gather next."""
         if self.gathered is not None:
             return None
         for p in self.params:
@@ -362,9 +367,19 @@ class Bucket:
                     f"so: cast or move the model before shard_model or ZeroAdamW(stage=3)")
         # Transient memory: on a GPU torch's cache hands the same blocks back
         # gather after gather, in stream order (backends.CudaBackend.empty).
+        nbytes = self.layout.padded_numel * self.itemsize
+        if self.flat_param_shard.device.type != "cpu":
+            root = None             # gloo's point-to-point takes host memory only
+        if root is not None and comm.rank != root:
+            work = comm.gather_to(root, None, self.flat_param_shard, async_op=async_op)
+            self.gathered = (nbytes, None)
+            return work
         flat = self.backend.empty(self.layout.padded_numel, self.dtype)
-        work = comm.all_gather(flat, self.flat_param_shard, async_op=async_op)
-        self.gathered = (flat.numel() * self.itemsize, flat)
+        if root is not None:
+            work = comm.gather_to(root, flat, self.flat_param_shard, async_op=async_op)
+        else:
+            work = comm.all_gather(flat, self.flat_param_shard, async_op=async_op)
+        self.gathered = (nbytes, flat)
         with torch.no_grad():
             for p, slot in zip(self.params, self.layout.slots):
                 p.data = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
@@ -374,9 +389,10 @@ class Bucket:
         """Back to placeholders; the gathered memory goes back at once."""
         if self.gathered is None:
             return
-        with torch.no_grad():
-            for p in self.params:
-                p.data = self.placeholder()
+        if self.gathered[1] is not None:
+            with torch.no_grad():
+                for p in self.params:
+                    p.data = self.placeholder()
         self.gathered = None
 
     def gathered_bytes(self) -> int:
