@@ -17,7 +17,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from rlhfz import _C
@@ -301,9 +301,14 @@ def _steps(level, n, seed, state_dtype, rounding, grad_dtype, param_dtype, maxim
     grads = [(torch.randn(n, generator=gen) * 10.0 ** -k).to(grad_dtype) for k in (1, 3)]
     grads = grads[:steps]
     out = torch.empty(n, dtype=param_dtype) if param_dtype else None
+    # how far each master travelled, step by step: two steps can cancel,
+    # while each one's error is relative to its own update
+    state.travelled = torch.zeros(n)
     for step, grad in enumerate(grads, start=5):
+        before = state.master.clone()
         state.step(grad, step, param_out=out, simd=level, rounding=rounding, seed=seed,
                    index_base=index_base, maximize=maximize, grad_scale=grad_scale)
+        state.travelled += (state.master - before).abs()
     if param_dtype is not None:
         # the 16-bit param is the new master rounded to nearest even
         assert torch.equal(out.view(torch.uint8), state.master.to(param_dtype).view(torch.uint8))
@@ -329,19 +334,24 @@ SIMD = [lv for lv in AVAILABLE if lv not in ("reference", "scalar")]
 @SETTINGS
 @given(level=st.sampled_from(SIMD or ["scalar"]), grad_scale=st.sampled_from([0.5, 1.0]),
        **levels_case)
+# an element whose second update undoes 94% of its first
+@example(level="avx2", grad_scale=1.0, n=65537, seed=167, state_dtype="bf16",
+         rounding="nearest", grad_dtype=torch.float32, param_dtype=None, maximize=True,
+         index_base=0)
 def test_simd_levels_keep_to_the_reference(level, grad_scale, n, seed, state_dtype, rounding,
                                            grad_dtype, param_dtype, maximize, index_base):
     args = (n, seed, state_dtype, rounding, grad_dtype, param_dtype, maximize, index_base)
     # int8: one step, so that a code the estimate moved is not fed back
     steps = 2 if state_dtype == "bf16" else 1
-    ref, start, _ = _steps("reference", *args, grad_scale=grad_scale, steps=steps)
+    ref, _, _ = _steps("reference", *args, grad_scale=grad_scale, steps=steps)
     state, _, _ = _steps(level, *args, grad_scale=grad_scale, steps=steps)
-    moved = (ref.master - start).abs()
+    moved = ref.travelled
     if state_dtype == "bf16":
         # the moments take the reference's fp32 operations: the same bits
         assert torch.equal(state.exp_avg.view(torch.int16), ref.exp_avg.view(torch.int16))
         assert torch.equal(state.exp_avg_sq.view(torch.int16), ref.exp_avg_sq.view(torch.int16))
         # the step's reciprocal estimates are good to ~2^-11 of each update
+        # (summed over the steps: a second update may undo most of the first)
         assert torch.all((state.master - ref.master).abs() <= 2e-3 * moved + ulps(ref.master))
         return
     # int8: a code decodes by one product, an ulp off, so the scales are a few
