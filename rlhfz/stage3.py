@@ -279,10 +279,10 @@ class Stage3:
     def gathers_onto(self, rank: int):
         """Within it, gathers make params whole on the shard group's `rank`
         alone (a weight sync's sender): the others only send their shards,
-        half an all-gather's bytes. Units whole already stay so; the units
-        it gathered are all released at the end, kept ones too, so that
-        every rank leaves it alike. Where the engine has no such gather,
-        units gather whole everywhere."""
+        1/n of an all-gather's bytes over n ranks. Units whole already stay
+        so; the units it gathered are all released at the end, kept ones
+        too, so that every rank leaves it alike. Where the engine has no
+        such gather, units gather whole everywhere."""
         self.gather_rank = rank if self.comm.gathers_to_one else None
         try:
             yield

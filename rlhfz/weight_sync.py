@@ -7,7 +7,8 @@ that holds a plain, unsharded copy of the model (as a vLLM worker does).
 a global rank) and every receiver, as OpenRLHF's model-update group. The
 other trainers stay out of it: they only take part in the gathers, which
 make the units whole on src alone where the engine can (gloo: the others
-send their shards, half an all-gather's bytes; Stage3.gathers_onto).
+send their shards: 1/n of an all-gather's bytes over n trainers;
+Stage3.gathers_onto).
 
 1. A manifest goes over first: every tensor's name, shape and dtype as
    sent, and the bucket size. Each receiver checks it against its model,
