@@ -24,7 +24,6 @@ gathers it again anyway.
 from __future__ import annotations
 
 import contextlib
-
 import weakref
 
 import torch

@@ -289,7 +289,6 @@ def communicator_primitives(rank, world_size, piece_bytes):
     return out
 
 
-
 def bucket_cap(rank, world_size, bucket_bytes):
     """Buckets and the grad bytes a stage 2 rank holds, under the option."""
     model = make_model()

@@ -161,10 +161,15 @@ def hybrid_sender(rank, world_size):
     rlhfz.sync_weights(model, sync if rank == 0 else None, src=0, checksum=True)
     after = opt.comm.traffic_by_dimension()
     sent = {dim: {c: after[dim][c] - before[dim][c] for c in after[dim]} for dim in after}
-    shard_bytes = sum(b.flat_param_shard.numel() * b.itemsize
-                      for _, buckets in opt.stage3.units for b in buckets)
-    return {"whole": _whole(model), "sync_sent": sent, "shard_bytes": shard_bytes,
+    return {"whole": _whole(model), "sync_sent": sent, "shard_bytes": _shard_bytes(opt),
             "coords": (opt.comm.replica, opt.rank)}
+
+
+def _shard_bytes(opt) -> int:
+    """This rank's shard of every stage-3 unit, padding included: what it
+    sends to gather the whole model onto another rank."""
+    return sum(b.flat_param_shard.numel() * b.itemsize
+               for _, buckets in opt.stage3.units for b in buckets)
 
 
 def _sent_to_others(opt) -> bool:
@@ -195,8 +200,7 @@ def sync_in_generation(rank, world_size):
     rlhfz.sync_weights(model, group, src=SRC, bucket_bytes=1 << 13)
     sent = {c: opt.comm.traffic[c] - before[c] for c in before}
     out = {"sent": sent, "logits": [_logits(model)], "left": [_sent_to_others(opt)],
-           "shard_bytes": sum(b.flat_param_shard.numel() * b.itemsize
-                              for _, buckets in opt.stage3.units for b in buckets)}
+           "shard_bytes": _shard_bytes(opt)}
     for mode in modes:
         with rlhfz.gather_for_generation(model, **mode):
             held = opt.stage3.gathered_bytes()

@@ -197,26 +197,22 @@ class TorchEngine:
         shard = shard_in.numel()
         step = max(1, GLOO_PIECE_BYTES // shard_in.element_size())
         call = _named("gather", shard_in)
+
+        def pieces(t):          # one cut on both ends of every pair
+            return (t[lo:lo + step] for lo in range(0, shard, step))
         if self.rank != root:
             to = self.control.global_ranks[root]
-            works = self._issue(call, (
-                dist.isend(shard_in[lo:lo + step], dst=to, group=self.data)
-                for lo in range(0, shard, step)))
+            works = self._issue(call, (dist.isend(piece, dst=to, group=self.data)
+                                       for piece in pieces(shard_in)))
             return self._finish(works, None, async_op, call)
-        lo, hi = rank_range(self.rank, shard)
-        mine = full_out[lo:hi]
+        ranges = [rank_range(owner, shard) for owner in range(self.world_size)]
+        mine = full_out[slice(*ranges[root])]
         if mine.data_ptr() != shard_in.data_ptr():
             mine.copy_(shard_in)
-
-        def receives():
-            for owner in range(self.world_size):
-                if owner == root:
-                    continue
-                start = rank_range(owner, shard)[0]
-                for lo in range(0, shard, step):
-                    yield dist.irecv(full_out[start + lo:start + min(lo + step, shard)],
-                                     src=self.control.global_ranks[owner], group=self.data)
-        works = self._issue(call, receives())
+        works = self._issue(call, (
+            dist.irecv(piece, src=self.control.global_ranks[owner], group=self.data)
+            for owner, (lo, hi) in enumerate(ranges) if owner != root
+            for piece in pieces(full_out[lo:hi])))
         return self._finish(works, None, async_op, call)
 
     def all_reduce_avg(self, tensor: torch.Tensor, async_op: bool = False):
