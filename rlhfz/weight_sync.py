@@ -11,23 +11,30 @@ send their shards: 1/n of an all-gather's bytes over n trainers;
 Stage3.gathers_onto).
 
 1. A manifest goes over first: every tensor's name, shape and dtype as
-   sent, and the bucket size. Each receiver checks it against its model,
+   sent, and the plan: each bucket's bytes and where every piece of every
+   tensor lies in it. Each receiver checks both against its model (every
+   piece inside its bucket and its tensor, every element in exactly one),
    and every rank of the group, then every trainer, learns whether all
    agree, so that a mismatch is an error everywhere, never a hang.
-2. Then flat byte buckets, one broadcast each: small tensors back to back,
-   large ones in buckets of their own, in chunks of a bucket, sent from and
-   received into their own memory (plan_buckets; the manifest says where
-   "large" starts: half a bucket, or 1 MiB under stage 3, whose gathered
-   units are sent from without a second copy).
-   Two buffers alternate, so the sender gathers and packs the next bucket
-   while the current one is on the wire; a receiver unpacks one bucket
-   while the next arrives. They are kept for the next sync (faulting in
-   fresh pages costs more than filling them); release_sync_buffers() frees
-   them. The sender's memory beyond the model's: the two buffers, and under
-   stage 3 the unit being packed and the next, gathered ahead (as a forward
+2. Then flat byte buckets, one broadcast each (plan_buckets), sent with as
+   few copies as the tensors allow:
+   - tensors that lie back to back in one memory (a gathered stage-3 unit,
+     a ZeroAdamW bucket) go as ranges of it, as they lie, gaps included;
+   - a tensor of half a bucket or more goes alone, in chunks of a bucket,
+     from and into its own memory;
+   - the rest (cast, LoRA-merged, scattered) are packed back to back.
+   A receiver receives a bucket that is one chunk of one tensor into the
+   tensor, the others into one of two buffers, unpacked while the next
+   arrives. The sender packs into two buffers in turn, and gathers the
+   next unit while the current one is on the wire. The buffers are kept
+   for the next sync (faulting in fresh pages costs more than filling
+   them); release_sync_buffers() frees them. The sender's memory beyond
+   the model's: the two buffers where anything is packed, and under stage
+   3 the unit being sent and the next, gathered ahead (as a forward
    gathers them).
 3. With checksum=True the sender's CRC-32 of every byte it sent is checked
-   against one of the receiver's params as loaded: a verified, bit-exact sync.
+   against one of the receiver's params as loaded, in the same order: a
+   verified, bit-exact sync.
 
 dtype= casts floating tensors on the way (e.g. fp32 masters to a bf16
 engine); integer buffers go as they are. For a PEFT LoRA model,
@@ -49,14 +56,15 @@ from .lora_export import is_peft, merged
 from .model_state import unwrapped, whole_shape
 from .pretrained import export_entries
 
-FORMAT = "rlhfz.weight_sync.v2"
-# every piece starts on this many bytes, so a bucket's bytes view as any dtype
+FORMAT = "rlhfz.weight_sync.v3"
+# every packed piece starts on this many bytes, so a bucket's bytes view as any dtype
 PIECE_ALIGN = 16
-# Under stage 3 what is sent lies in gathered units, memory held anyway: a
-# tensor of this size or more goes from there (in place of a second copy in
-# a bucket buffer). Whole params (stages 0-2) are packed up to half a
-# bucket: on the host, fewer broadcasts cost less than the packing copies.
-GATHERED_DIRECT_BYTES = 1 << 20
+# A range of memory sent as it lies may carry this many bytes between two of
+# its tensors (alignment, padding) ...
+RANGE_GAP_BYTES = 4096
+# ... and is sent so only from an eighth of a bucket, or this size: below it,
+# one broadcast more costs more than the copies of packing it with others.
+RANGE_MIN_BYTES = 4 << 20
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -71,63 +79,165 @@ class WeightSyncError(RuntimeError):
 # ---- the plan: which bytes go in which bucket --------------------------------------------
 
 class SyncBucket(NamedTuple):
-    """One broadcast: its bytes, and the (tensor index, first element,
-    elements, byte offset) pieces in it. A direct bucket is one chunk of one
-    large tensor, moved straight from and into the tensor's own memory where
-    it can be; the others are packed into a buffer."""
+    """One broadcast of nbytes: the (tensor index, first element, elements,
+    byte offset) pieces in it, and, on the sender, where its bytes come
+    from: None, packed into a buffer; ("tensor", index), a chunk of one
+    tensor from its own memory; ("range", home, first byte), bytes of memory
+    that already holds the tensors back to back (a gathered stage-3 unit, a
+    ZeroAdamW bucket), sent as they lie. The manifest carries the nbytes and
+    pieces; the source stays on the sender."""
 
     nbytes: int
     pieces: list
-    direct: bool
+    source: tuple | None = None
 
 
-def plan_buckets(specs: list[tuple[tuple[int, ...], torch.dtype]],
-                 bucket_bytes: int, direct_bytes: int | None = None) -> list[SyncBucket]:
-    """Buckets of at most bucket_bytes for tensors of (shape, dtype), in
-    order. A tensor of direct_bytes or more (default: half a bucket) goes in
-    buckets of its own, in chunks of a bucket (sent from and received into
-    its own memory: no copy on either side); smaller ones are packed back to
-    back, each piece on a 16-byte boundary. Fewer, larger broadcasts: each
-    has a fixed cost."""
-    if direct_bytes is None:
-        direct_bytes = bucket_bytes // 2
-    buckets, pieces, used = [], [], 0
+def lands_whole(bucket, specs) -> bool:
+    """Whether a bucket is one chunk of one tensor, received straight into
+    the tensor's memory."""
+    if len(bucket.pieces) != 1:
+        return False
+    index, _, count, offset = bucket.pieces[0]
+    return offset == 0 and count * specs[index][1].itemsize == bucket.nbytes
+
+
+def _runs(specs, bucket_bytes: int, direct_bytes: int, homes) -> dict:
+    """{first index: [indices]} of the tensors sent in ranges of the memory
+    that holds them (homes[i]: (memory, byte offset), or None): tensors in
+    one memory, in order, at most RANGE_GAP_BYTES apart, in spans of up to
+    a bucket, each span at least an eighth of a bucket or RANGE_MIN_BYTES."""
+    runs, run, home, lo, end = {}, [], None, 0, 0
+    least = min(RANGE_MIN_BYTES, bucket_bytes // 8)
 
     def close():
-        nonlocal pieces, used
-        if pieces:
-            buckets.append(SyncBucket(used, pieces, False))
-        pieces, used = [], 0
+        if run and end - lo >= least:
+            runs[run[0]] = list(run)
+        run.clear()
+
+    for index, (shape, dtype) in enumerate(specs):
+        nbytes = math.prod(shape) * dtype.itemsize
+        if homes[index] is None or not nbytes or nbytes >= direct_bytes:
+            continue
+        memory, offset = homes[index]
+        if not (run and memory == home and end <= offset <= end + RANGE_GAP_BYTES
+                and offset + nbytes - lo <= bucket_bytes and (offset - lo) % dtype.itemsize == 0):
+            close()
+            home, lo = memory, offset
+        run.append(index)
+        end = offset + nbytes
+    close()
+    return runs
+
+
+def plan_buckets(specs: list[tuple[tuple[int, ...], torch.dtype]], bucket_bytes: int,
+                 direct_bytes: int | None = None, homes: list | None = None) -> list[SyncBucket]:
+    """Buckets of at most bucket_bytes for tensors of (shape, dtype), in
+    order (a bucket takes the place of its first tensor). A tensor of
+    direct_bytes or more (default: half a bucket) goes in buckets of its
+    own, in chunks of a bucket, from and into its own memory. Tensors whose
+    memory holds them back to back (homes) go as ranges of it: no copy on
+    the sender. The rest are packed, each piece on a 16-byte boundary.
+    Fewer, larger broadcasts: each has a fixed cost."""
+    if direct_bytes is None:
+        direct_bytes = bucket_bytes // 2
+    runs = _runs(specs, bucket_bytes, direct_bytes, homes or [None] * len(specs))
+    in_run = {index for run in runs.values() for index in run}
+    buckets, packed = [], None             # packed: [place in buckets, pieces, bytes used]
+
+    def close():
+        nonlocal packed
+        if packed is not None:
+            buckets[packed[0]] = SyncBucket(packed[2], packed[1])
+        packed = None
 
     for index, (shape, dtype) in enumerate(specs):
         itemsize = dtype.itemsize
         numel = math.prod(shape)
-        if numel and numel * itemsize >= direct_bytes:
+        if index in runs:
+            memory, lo = homes[index]
+            pieces = [(i, 0, math.prod(specs[i][0]), homes[i][1] - lo) for i in runs[index]]
+            last = pieces[-1]
+            nbytes = last[3] + last[2] * specs[last[0]][1].itemsize
+            buckets.append(SyncBucket(nbytes, pieces, ("range", memory, lo)))
+            continue
+        if index in in_run or not numel:
+            continue
+        if numel * itemsize >= direct_bytes:
             close()
             per = max(1, bucket_bytes // itemsize)
             for start in range(0, numel, per):
                 count = min(per, numel - start)
-                buckets.append(SyncBucket(count * itemsize, [(index, start, count, 0)], True))
+                buckets.append(SyncBucket(count * itemsize, [(index, start, count, 0)],
+                                          ("tensor", index)))
             continue
-        offset = -(-used // PIECE_ALIGN) * PIECE_ALIGN
-        if offset + numel * itemsize > bucket_bytes:
+        offset = -(-packed[2] // PIECE_ALIGN) * PIECE_ALIGN if packed is not None else 0
+        if packed is not None and offset + numel * itemsize > bucket_bytes:
             close()
-            offset = 0
-        pieces.append((index, 0, numel, offset))
-        used = offset + numel * itemsize
+        if packed is None:
+            packed, offset = [len(buckets), [], 0], 0
+            buckets.append(None)
+        packed[1].append((index, 0, numel, offset))
+        packed[2] = offset + numel * itemsize
     close()
     return buckets
 
 
+def check_plan(plan, specs, bucket_bytes) -> tuple[list[SyncBucket], str | None]:
+    """A manifest's buckets as SyncBuckets, or what is wrong with them: every
+    piece inside its bucket and its tensor, viewable as the tensor's dtype,
+    no two overlapping, every element of every tensor in exactly one."""
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        return [], f"the manifest's bucket size {bucket_bytes!r} is not a positive int"
+    if not isinstance(plan, (list, tuple)):
+        return [], f"the manifest's buckets are a {type(plan).__name__}, not a list"
+    numels = [math.prod(shape) for shape, _ in specs]
+    covered = [[] for _ in specs]
+    buckets = []
+
+    def whole(*values):
+        return all(isinstance(v, int) and not isinstance(v, bool) for v in values)
+
+    for k, entry in enumerate(plan):
+        try:
+            nbytes, pieces = entry
+            pieces = [tuple(piece) for piece in pieces]
+        except (TypeError, ValueError):
+            return [], f"bucket {k} of the manifest is not (bytes, pieces)"
+        if not whole(nbytes) or not 0 < nbytes <= bucket_bytes or not pieces:
+            return [], f"bucket {k} of the manifest holds {nbytes!r} bytes in {len(pieces)} pieces"
+        spans = []
+        for piece in pieces:
+            if len(piece) != 4 or not whole(*piece):
+                return [], f"bucket {k} of the manifest has a malformed piece {piece!r}"
+            index, start, count, offset = piece
+            if not 0 <= index < len(specs):
+                return [], f"bucket {k} of the manifest names tensor {index} of {len(specs)}"
+            itemsize = specs[index][1].itemsize
+            if (count < 1 or start < 0 or start + count > numels[index] or offset < 0
+                    or offset % itemsize or offset + count * itemsize > nbytes):
+                return [], (f"bucket {k} of the manifest has a piece {piece!r} outside its "
+                            f"{nbytes} bytes or its tensor's {numels[index]} elements")
+            spans.append((offset, offset + count * itemsize))
+            covered[index].append((start, start + count))
+        spans.sort()
+        if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
+            return [], f"bucket {k} of the manifest has pieces that overlap"
+        buckets.append(SyncBucket(nbytes, pieces))
+    for index, ranges in enumerate(covered):
+        ranges.sort()
+        end = 0
+        for start, stop in ranges:
+            if start != end:
+                return [], (f"the manifest's buckets {'skip' if start > end else 'repeat'} "
+                            f"elements of tensor {index}")
+            end = stop
+        if end != numels[index]:
+            return [], f"the manifest's buckets skip elements of tensor {index}"
+    return buckets, None
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _dtype_of(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise WeightSyncError(f"the manifest names an unknown dtype {name!r}")
-    return dtype
 
 
 # ---- sending -----------------------------------------------------------------------------
@@ -170,24 +280,64 @@ class _Sender:
     def __init__(self, model, adapters: str, dtype, bucket_bytes: int):
         self.record, inner = unwrapped(model)
         self.stage3 = self.record.stage3 if self.record is not None else None
-        self.entries, self.unit_of = _entries(self.record if self.stage3 is not None else None,
-                                              inner, adapters)
+        entries, self.unit_of = _entries(self.record if self.stage3 is not None else None,
+                                         inner, adapters)
         slots = self.record.sharded_slots() if self.stage3 is not None else {}
-        self.specs = []
-        for _, name, t, _ in self.entries:
+        self.memory = {}                 # home -> (gathered bucket, None) or (None, a tensor in it)
+        planned = []
+        for unit, name, t, merge in entries:
             sent = dtype if dtype is not None and t.dtype in _FLOATS else t.dtype
-            self.specs.append((tuple(whole_shape(slots, t)), sent))
+            shape = tuple(whole_shape(slots, t))
+            home = None if merge is not None or sent != t.dtype else self._home(slots, t)
+            planned.append(((unit, name, t, merge), (shape, sent), home))
+        # within a unit, what lies in memory first, in the memory's order
+        first = {}
+        for _, _, home in planned:
+            if home is not None:
+                first.setdefault(home[0], len(first))
+        planned.sort(key=lambda e: (-1 if e[0][0] is None else e[0][0], e[2] is None,
+                                    (first[e[2][0]], e[2][1]) if e[2] is not None else (0, 0)))
+        self.entries = [entry for entry, _, _ in planned]
+        self.specs = [spec for _, spec, _ in planned]
         self.bucket_bytes = bucket_bytes
-        self.direct_bytes = (min(GATHERED_DIRECT_BYTES, bucket_bytes // 2)
-                             if self.stage3 is not None else bucket_bytes // 2)
-        self.buckets = plan_buckets(self.specs, bucket_bytes, self.direct_bytes)
+        self.buckets = plan_buckets(self.specs, bucket_bytes,
+                                    homes=[home for _, _, home in planned])
         self._last = None
 
+    def _home(self, slots, t) -> tuple | None:
+        """(memory, byte offset) of a tensor that lies in memory sent as it
+        lies: under stage 3 a unit's gathered bucket, laid out alike on
+        every trainer (the plan decides the gathers, so it must not differ
+        between them; whole params are packed); else its own storage."""
+        slot = slots.get(id(t))
+        if slot is not None:
+            bucket, index = slot
+            home = ("gathered", id(bucket))
+            self.memory[home] = (bucket, None)
+            return home, bucket.layout.slots[index].offset * bucket.itemsize
+        plain = type(t) in (torch.nn.Parameter, torch.Tensor) and t.layout == torch.strided
+        if self.stage3 is not None or not plain or not t.is_contiguous():
+            return None
+        storage = t.untyped_storage()
+        home = ("storage", t.device.type, t.device.index, storage.data_ptr())
+        self.memory.setdefault(home, (None, t))
+        return home, t.storage_offset() * t.element_size()
+
+    def memory_bytes(self, home) -> torch.Tensor:
+        """The bytes of a home, as they lie (a gathered unit: gathered)."""
+        bucket, t = self.memory[home]
+        if bucket is not None:
+            if bucket.gathered is None or bucket.gathered[1] is None:
+                raise RuntimeError("sync_weights: a unit to send from is not gathered here")
+            return bucket.gathered[1].view(torch.uint8)
+        return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
     def manifest(self, adapters: str, checksum: bool) -> dict:
-        return {"format": FORMAT, "bucket_bytes": self.bucket_bytes,
-                "direct_bytes": self.direct_bytes, "adapters": adapters, "checksum": checksum,
+        return {"format": FORMAT, "bucket_bytes": self.bucket_bytes, "adapters": adapters,
+                "checksum": checksum,
                 "tensors": [(name, list(shape), _dtype_name(dtype))
-                            for (_, name, _, _), (shape, dtype) in zip(self.entries, self.specs)]}
+                            for (_, name, _, _), (shape, dtype) in zip(self.entries, self.specs)],
+                "buckets": [(b.nbytes, b.pieces) for b in self.buckets]}
 
     def units_of(self, pieces) -> set:
         units = set()
@@ -257,7 +407,9 @@ def sync_weights(model, group, *, src: int = 0, bucket_bytes: int = 256 << 20, d
     every receiver in `group`. Every rank of the training model calls it:
     under stage 3 the gathers need them all; a trainer outside `group` only
     gathers. Returns what was sent: {"tensors", "bytes", "buckets",
-    "buffer_bytes", "seconds"} (on src; the others' counts are the plan's)."""
+    "buffer_bytes", "copied_bytes", "seconds"} (on src; the others' counts are
+    the plan's): copied_bytes went through a buffer (packed, cast or moved to
+    the group's device), the rest from the memory that holds them."""
     _check_send_args(src, bucket_bytes, dtype, adapters, checksum)
     started = time.perf_counter()
     me = dist.get_rank()
@@ -279,7 +431,7 @@ def sync_weights(model, group, *, src: int = 0, bucket_bytes: int = 256 << 20, d
                              f"{comm.members}")
     report = {"tensors": len(sender.entries), "buckets": len(sender.buckets),
               "bytes": sum(math.prod(shape) * d.itemsize
-                           for shape, d in sender.specs), "buffer_bytes": 0}
+                           for shape, d in sender.specs), "buffer_bytes": 0, "copied_bytes": 0}
     if comm is None and me != src:
         return dict(report, seconds=0.0)        # params are whole on src: nothing to gather
     channel = BroadcastChannel(group, src) if me == src else None
@@ -293,7 +445,8 @@ def sync_weights(model, group, *, src: int = 0, bucket_bytes: int = 256 << 20, d
     crc = [0]
     root = comm.shard_ranks.index(src) if gathers else None
     if channel is not None:
-        report["buffer_bytes"] = _send_buckets(sender, channel, checksum, crc, root)
+        report["buffer_bytes"], report["copied_bytes"] = _send_buckets(sender, channel,
+                                                                        checksum, crc, root)
     elif gathers:
         sender.run(root)
     if checksum:
@@ -320,15 +473,13 @@ def _agree_verdict(comm, verdict, what: str) -> None:
 _BUFFERS: dict[str, list[torch.Tensor]] = {}
 
 
-def _bucket_buffers(channel: BroadcastChannel, buckets) -> list[torch.Tensor]:
-    size = max((bucket.nbytes for bucket in buckets), default=0)
-    count = min(2, len(buckets))
+def _bucket_buffers(channel: BroadcastChannel, size: int) -> list[torch.Tensor]:
     key = str(channel.device)
     have = _BUFFERS.get(key, [])
-    if len(have) < count or (have and have[0].numel() < size):
+    if not have or have[0].numel() < size:
         _BUFFERS.pop(key, None)                  # the old ones go before the new come
-        have = _BUFFERS[key] = [channel.buffer(size) for _ in range(count)]
-    return have[:count]
+        have = _BUFFERS[key] = [channel.buffer(size) for _ in range(2)]
+    return have
 
 
 def release_sync_buffers() -> None:
@@ -337,34 +488,62 @@ def release_sync_buffers() -> None:
     _BUFFERS.clear()
 
 
+class _Buffers:
+    """The two buffers, taken in turn by the buckets that need one (packed,
+    cast, or moved to the group's device), each once its last send or
+    receive is done; asked for only when a bucket first needs one."""
+
+    def __init__(self, channel: BroadcastChannel, size: int):
+        self.channel, self.size = channel, size
+        self.buffers, self.works, self.slot, self.used = None, [None, None], {}, 0
+
+    def take(self, k: int) -> torch.Tensor:
+        if k not in self.slot:
+            if self.buffers is None:
+                self.buffers = _bucket_buffers(self.channel, self.size)
+            self.slot[k] = self.used % 2
+            self.used += 1
+            slot = self.slot[k]
+            if self.works[slot] is not None:
+                self.works[slot].wait()
+                self.works[slot] = None
+        return self.buffers[self.slot[k]]
+
+    def sent(self, k: int, work) -> None:
+        self.works[self.slot[k]] = work
+
+    def finish(self) -> None:
+        for slot, work in enumerate(self.works):
+            if work is not None:
+                self.works[slot] = None
+                work.wait()
+
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self.buffers) if self.buffers is not None else 0
+
+
 def _send_buckets(sender: _Sender, channel: BroadcastChannel, checksum: bool,
-                  crc: list, root: int | None) -> int:
-    """Packs and broadcasts every bucket through two alternating buffers (a
-    direct bucket from its tensor's memory, kept alive and gathered until
-    it has gone); returns the buffers' bytes."""
-    buffers = _bucket_buffers(channel, sender.buckets)
-    works = [None, None]                     # the last send from each buffer
-    reading = []                             # direct sends: (work, the memory they read)
+                  crc: list, root: int | None) -> tuple[int, int]:
+    """Packs and broadcasts every bucket through two alternating buffers, or
+    sends it from the memory that holds it (kept alive, and gathered, until
+    it has gone); returns the buffers' bytes and the bytes copied in them."""
+    buffers = _Buffers(channel, max((b.nbytes for b in sender.buckets), default=0))
+    reading = []                             # sends from memory: (work, the memory they read)
     filled = {"bucket": -1, "end": 0}       # how far the bucket being packed is filled
+    copied = [0]
 
-    def take(k) -> torch.Tensor:
-        """Bucket k's buffer, once its last send has gone."""
-        if works[k % 2] is not None:
-            works[k % 2].wait()
-            works[k % 2] = None
-        return buffers[k % 2]
-
-    def add_to_checksum(flat):
+    def add_to_checksum(flat, pieces):
         if checksum:
-            crc[0] = zlib.crc32(_host_bytes(flat), crc[0])
+            for index, _, count, offset in pieces:
+                itemsize = sender.specs[index][1].itemsize
+                crc[0] = zlib.crc32(_host_bytes(flat[offset:offset + count * itemsize]), crc[0])
 
     def pack(k, piece, value_of):
-        if sender.buckets[k].direct:
+        if sender.buckets[k].source is not None:
             return
+        buffer = buffers.take(k)
         if filled["bucket"] != k:
-            take(k)
             filled.update(bucket=k, end=0)
-        buffer = buffers[k % 2]
         index, start, count, offset = piece
         dtype = sender.specs[index][1]
         end = offset + count * dtype.itemsize
@@ -372,28 +551,38 @@ def _send_buckets(sender: _Sender, channel: BroadcastChannel, checksum: bool,
             if offset > filled["end"]:          # alignment gaps: the same bytes every time
                 buffer[filled["end"]:offset].zero_()
             buffer[offset:end].view(dtype).copy_(value_of(index)[start:start + count])
-        add_to_checksum(buffer[offset:end])
         filled["end"] = end
+        copied[0] += end - offset
 
     def flush(k, value_of):
         bucket = sender.buckets[k]
         what = f"weight-sync bucket {k}"
-        if not bucket.direct:
-            works[k % 2] = channel.bytes(buffers[k % 2][:bucket.nbytes], what)
-            return
-        index, start, count, _ = bucket.pieces[0]
-        source = value_of(index)[start:start + count]
-        dtype = sender.specs[index][1]
-        if source.dtype == dtype and source.device == channel.device:
-            flat = source.view(torch.uint8)
-            add_to_checksum(flat)
-            reading.append((channel.bytes(flat, what), source))
-            return
-        buffer = take(k)                        # cast, or to the group's device, on the way
-        with torch.no_grad():
-            buffer[:bucket.nbytes].view(dtype).copy_(source)
-        add_to_checksum(buffer[:bucket.nbytes])
-        works[k % 2] = channel.bytes(buffer[:bucket.nbytes], what)
+        if bucket.source is None:
+            flat = buffers.take(k)[:bucket.nbytes]
+        elif bucket.source[0] == "range":
+            _, home, lo = bucket.source
+            flat = sender.memory_bytes(home)[lo:lo + bucket.nbytes]
+        else:
+            index, start, count, _ = bucket.pieces[0]
+            source = value_of(index)[start:start + count]
+            dtype = sender.specs[index][1]
+            flat = source.view(torch.uint8) if source.dtype == dtype else None
+            if flat is None:                    # cast on the way
+                flat = buffers.take(k)[:bucket.nbytes]
+                with torch.no_grad():
+                    flat.view(dtype).copy_(source)
+                copied[0] += bucket.nbytes
+        if flat.device != channel.device:       # to the group's device on the way
+            staged = buffers.take(k)[:bucket.nbytes]
+            staged.copy_(flat)
+            flat = staged
+            copied[0] += bucket.nbytes
+        add_to_checksum(flat, bucket.pieces)
+        work = channel.bytes(flat, what)
+        if k in buffers.slot:
+            buffers.sent(k, work)
+        else:
+            reading.append((work, flat))
 
     def before_release():
         while reading:
@@ -402,11 +591,9 @@ def _send_buckets(sender: _Sender, channel: BroadcastChannel, checksum: bool,
     try:
         sender.run(root, pack, flush, before_release)
     finally:
-        for work in works:
-            if work is not None:
-                work.wait()
+        buffers.finish()
         before_release()
-    return sum(b.numel() for b in buffers)
+    return buffers.nbytes(), copied[0]
 
 
 def _host_bytes(t: torch.Tensor):
@@ -415,14 +602,15 @@ def _host_bytes(t: torch.Tensor):
 
 # ---- receiving ---------------------------------------------------------------------------
 
-def _check_manifest(manifest, inner) -> tuple[list, str | None]:
-    """(the receiver's tensors in the manifest's order, or an error)."""
+def _check_manifest(manifest, inner) -> tuple[list, list, str | None]:
+    """(the receiver's tensors in the manifest's order, the buckets, or an
+    error)."""
     if not isinstance(manifest, dict) or not str(manifest.get("format")).startswith(
             "rlhfz.weight_sync."):
-        return [], f"not an rlhfz weight-sync manifest ({type(manifest).__name__})"
+        return [], [], f"not an rlhfz weight-sync manifest ({type(manifest).__name__})"
     if manifest["format"] != FORMAT:
-        return [], (f"the sender speaks {manifest['format']}, this receiver {FORMAT}: run the "
-                    f"same rlhfz on both sides")
+        return [], [], (f"the sender speaks {manifest['format']}, this receiver {FORMAT}: run "
+                        f"the same rlhfz on both sides")
     mine, seen = {}, set()
     for name, t in inner.state_dict(keep_vars=True).items():
         if id(t) not in seen:
@@ -454,8 +642,10 @@ def _check_manifest(manifest, inner) -> tuple[list, str | None]:
         if wrong:
             parts.append(f"different: {wrong[:3]}" + (" ..." if len(wrong) > 3 else "")
                          + " (sync_weights' dtype= casts floating tensors on the way)")
-        return [], "the weights sent do not fit this model: " + "; ".join(parts)
-    return targets, None
+        return [], [], "the weights sent do not fit this model: " + "; ".join(parts)
+    specs = [(tuple(t.shape), t.dtype) for t in targets]
+    buckets, error = check_plan(manifest.get("buckets"), specs, manifest.get("bucket_bytes"))
+    return targets, buckets, error
 
 
 def receive_weights(model, group, *, src: int = 0) -> dict:
@@ -476,20 +666,21 @@ def receive_weights(model, group, *, src: int = 0) -> dict:
                                   "generation worker's); this one is sharded")
     channel = BroadcastChannel(group, src)
     manifest = channel.object()
-    targets, error = _check_manifest(manifest, inner)
+    targets, buckets, error = _check_manifest(manifest, inner)
     verdict = channel.verdict(error)
     if error is not None:
         raise WeightSyncError(f"receive_weights: {error}")
     if verdict is not None:
         raise WeightSyncError(f"receive_weights: another receiver refused the manifest: "
                               f"{verdict}")
-    specs = [(tuple(shape), _dtype_of(dtype)) for _, shape, dtype in manifest["tensors"]]
-    buckets = plan_buckets(specs, manifest["bucket_bytes"], manifest["direct_bytes"])
+    specs = [(tuple(t.shape), t.dtype) for t in targets]
     _receive_buckets(buckets, specs, targets, channel)
     if manifest["checksum"]:
         mine = 0
-        for t in targets:
-            mine = zlib.crc32(_host_bytes(t), mine)
+        for bucket in buckets:                  # the bytes in the order they were sent
+            for index, start, count, _ in bucket.pieces:
+                mine = zlib.crc32(_host_bytes(targets[index].view(-1)[start:start + count]),
+                                  mine)
         theirs = channel.object()
         error = (None if mine == theirs else
                  f"CRC-32 {mine:#010x} of the weights as loaded, {theirs:#010x} as sent")
@@ -502,17 +693,16 @@ def receive_weights(model, group, *, src: int = 0) -> dict:
 
 
 def _receive_buckets(buckets, specs, targets, channel: BroadcastChannel) -> None:
-    """Each bucket into one of two buffers, or a direct one straight into
-    its tensor; one is unpacked while the next arrives."""
+    """Each bucket into one of two buffers, or one that is a chunk of one
+    tensor straight into it; one is unpacked while the next arrives."""
     if not buckets:
         return
-    buffers = _bucket_buffers(channel, buckets)
 
     def into(k) -> torch.Tensor | None:
-        """The tensor memory a direct bucket lands in, where the group's
+        """The tensor memory a bucket lands in whole, where the group's
         device holds it."""
         bucket = buckets[k]
-        if not bucket.direct:
+        if not lands_whole(bucket, specs):
             return None
         index, start, count, _ = bucket.pieces[0]
         target = targets[index]
@@ -520,9 +710,12 @@ def _receive_buckets(buckets, specs, targets, channel: BroadcastChannel) -> None
             return None
         return target.detach().view(-1)[start:start + count].view(torch.uint8)
 
+    buffers = _Buffers(channel, max((b.nbytes for k, b in enumerate(buckets)
+                                     if into(k) is None), default=0))
+
     def post(k):
         flat = into(k)
-        flat = flat if flat is not None else buffers[k % 2][:buckets[k].nbytes]
+        flat = flat if flat is not None else buffers.take(k)[:buckets[k].nbytes]
         return channel.bytes(flat, f"weight-sync bucket {k}")
 
     work = post(0)
@@ -530,11 +723,10 @@ def _receive_buckets(buckets, specs, targets, channel: BroadcastChannel) -> None
         for k, bucket in enumerate(buckets):
             upcoming = post(k + 1) if k + 1 < len(buckets) else None
             work.wait()
-            if into(k) is None:
-                buffer = buffers[k % 2]
+            if k in buffers.slot:
+                buffer = buffers.take(k)
                 for index, start, count, offset in bucket.pieces:
                     dtype = specs[index][1]
-                    itemsize = dtype.itemsize
-                    source = buffer[offset:offset + count * itemsize].view(dtype)
+                    source = buffer[offset:offset + count * dtype.itemsize].view(dtype)
                     targets[index].detach().view(-1)[start:start + count].copy_(source)
             work = upcoming

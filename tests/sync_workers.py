@@ -210,3 +210,54 @@ def sync_in_generation(rank, world_size):
             out["logits"].append(_logits(model))
     out["gathered_after"] = opt.stage3.gathered_bytes()
     return out
+
+
+def _laid_back_to_front(model):
+    """The model's params moved into one tensor, the last param first."""
+    params = list(model.parameters())
+    flat = torch.empty(sum(p.numel() for p in params))
+    end = flat.numel()
+    with torch.no_grad():
+        for p in params:
+            end -= p.numel()
+            view = flat[end:end + p.numel()].view_as(p)
+            view.copy_(p)
+            p.data = view
+    return model
+
+
+def sync_whole_params(rank, world_size):
+    """Senders whose params are whole: a stage-2 ZeroAdamW policy (its
+    bucket memory sent as it lies), the same after one param was given
+    memory of its own, and a plain model whose params lie in one tensor
+    back to front. The other trainer has nothing to do."""
+    train, sync = groups()
+    senders = 3
+    if rank not in TRAINERS:
+        out = []
+        for _ in range(senders):
+            receiver = tiny_lm("gpt2", seed=rank)
+            rlhfz.receive_weights(receiver, sync, src=SRC)
+            out.append({n: p.detach().clone() for n, p in receiver.named_parameters()})
+        return {"whole": out}
+    model = tiny_lm("gpt2")
+    opt = rlhfz.ZeroAdamW(model, stage=2, lr=1e-2, process_group=train)
+    for ids in batches(2):
+        opt.zero_grad()
+        lm_loss(model, ids[rank::2]).backward()
+        opt.step()
+    group = sync if rank == SRC else None
+    out = {"whole": [], "reports": []}
+
+    def send(sender):
+        out["whole"].append({n: p.detach().clone() for n, p in sender.named_parameters()})
+        out["reports"].append(rlhfz.sync_weights(sender, group, src=SRC, bucket_bytes=1 << 13,
+                                                 checksum=True))
+
+    send(model)
+    moved = model.transformer.h[0].mlp.c_fc.weight
+    with torch.no_grad():
+        moved.data = moved.detach().clone() + 1.0
+    send(model)
+    send(_laid_back_to_front(tiny_lm("gpt2", seed=7)))
+    return out

@@ -2,39 +2,114 @@
 and 1 train, ranks 2 and 3 receive over a group of rank 0 and themselves."""
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import sync_workers as workers
 from rlhfz.launch import run_ranks
-from rlhfz.weight_sync import PIECE_ALIGN, plan_buckets
+from rlhfz.weight_sync import (PIECE_ALIGN, SyncBucket, check_plan, lands_whole,
+                                plan_buckets)
+
+
+def _itemsize(dtype):
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def test_plan_cuts_large_tensors_and_aligns_every_piece():
     specs = [((3, 5), torch.float32), ((1000,), torch.bfloat16), ((0,), torch.float32),
              ((7,), torch.int64), ((33, 33), torch.float32), ((60,), torch.float32)]
     buckets = plan_buckets(specs, 512)
+    assert check_plan([(b.nbytes, b.pieces) for b in buckets], specs, 512)[1] is None
     sent = {i: 0 for i in range(len(specs))}
-    for used, pieces, direct in buckets:
+    for used, pieces, source in buckets:
         assert used <= 512
         end = 0
         for index, start, count, offset in pieces:
-            itemsize = torch.empty((), dtype=specs[index][1]).element_size()
             assert offset % PIECE_ALIGN == 0 and offset >= end
             assert start == sent[index]          # in order, no element twice or skipped
             sent[index] += count
-            end = offset + count * itemsize
+            end = offset + count * _itemsize(specs[index][1])
         assert end == used
-        whole = torch.Size(specs[pieces[0][0]][0]).numel() * itemsize
+        whole = torch.Size(specs[pieces[0][0]][0]).numel() * _itemsize(specs[pieces[0][0]][1])
         # a tensor of half a bucket or more goes alone, in chunks of a bucket
+        direct = source is not None
         assert direct == (whole >= 256) and (not direct or len(pieces) == 1)
+        assert lands_whole(SyncBucket(used, pieces), specs) == (len(pieces) == 1)
     for index, (shape, _) in enumerate(specs):
         assert sent[index] == torch.Size(shape).numel()
-    assert sum(direct for _, _, direct in buckets) == 4 + 9     # 2000 and 4356 bytes in chunks
+    assert sum(source is not None for _, _, source in buckets) == 4 + 9   # 2000, 4356 bytes
     one = plan_buckets(specs, 1 << 20)
-    assert len(one) == 1 and not one[0].direct
-    # where "large" starts is the sender's to say (the manifest carries it)
+    assert len(one) == 1 and one[0].source is None
     low = plan_buckets(specs, 512, direct_bytes=61)
-    assert [b.pieces[0][0] for b in low if b.direct] == [1] * 4 + [4] * 9 + [5]
-    assert [[p[0] for p in b.pieces] for b in low if not b.direct] == [[0], [2, 3]]
+    assert [b.pieces[0][0] for b in low if b.source] == [1] * 4 + [4] * 9 + [5]
+    assert [[p[0] for p in b.pieces] for b in low if not b.source] == [[0], [3]]
+
+
+def test_plan_sends_tensors_that_lie_back_to_back_as_they_lie():
+    f32 = torch.float32
+    specs = [((16,), f32), ((10,), f32), ((30,), f32), ((8,), f32), ((300,), f32), ((4,), f32)]
+    # 0, 1, 2 lie in memory "a" with a 24-byte gap; 3 lies far on; 4 is large; 5 elsewhere
+    homes = [("a", 0), ("a", 64), ("a", 128), ("a", 128 + 120 + 8192), ("a", 9000), None]
+    buckets = plan_buckets(specs, 1024, homes=homes)
+    assert buckets[0] == SyncBucket(248, [(0, 0, 16, 0), (1, 0, 10, 64), (2, 0, 30, 128)],
+                                    ("range", "a", 0))
+    # too far from the run to join it, too small alone (< 1024 / 8): packed
+    assert [b.pieces for b in buckets if b.source is None] == [[(3, 0, 8, 0)], [(5, 0, 4, 0)]]
+    assert [b.source for b in buckets[1:] if b.source] == [("tensor", 4)] * 2   # 1200 bytes
+    assert check_plan([(b.nbytes, b.pieces) for b in buckets], specs, 1024)[1] is None
+    # a run is cut where it would pass a bucket, and each part starts its own range
+    cut = plan_buckets([((20,), f32)] * 3, 192, homes=[("a", 0), ("a", 80), ("a", 160)])
+    assert cut == [SyncBucket(160, [(0, 0, 20, 0), (1, 0, 20, 80)], ("range", "a", 0)),
+                   SyncBucket(80, [(2, 0, 20, 0)], ("range", "a", 160))]
+    # another memory, or a misaligned offset, starts a new run
+    split = plan_buckets(specs[:3], 1024, homes=[("a", 0), ("b", 64), ("b", 130)])
+    assert [b.source for b in split] == [None]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 70), st.sampled_from([torch.float32, torch.bfloat16,
+                                                                 torch.int64]),
+                          st.integers(0, 3), st.integers(0, 40)), max_size=12),
+       st.integers(PIECE_ALIGN, 600))
+def test_every_plan_covers_every_element_once_within_its_buckets(tensors, bucket_bytes):
+    specs, homes, ends = [], [], {}
+    for numel, dtype, memory, gap in tensors:
+        specs.append(((numel,), dtype))
+        if memory == 0:
+            homes.append(None)
+            continue
+        itemsize = _itemsize(dtype)
+        offset = -(-(ends.get(memory, 0) + gap) // itemsize) * itemsize
+        homes.append((memory, offset))
+        ends[memory] = offset + numel * itemsize
+    buckets = plan_buckets(specs, bucket_bytes, homes=homes)
+    checked, error = check_plan([(b.nbytes, b.pieces) for b in buckets], specs, bucket_bytes)
+    assert error is None and len(checked) == len(buckets)
+    for bucket in buckets:
+        if bucket.source is not None and bucket.source[0] == "range":
+            _, memory, lo = bucket.source
+            for index, _, _, offset in bucket.pieces:
+                assert homes[index] == (memory, lo + offset)
+
+
+@pytest.mark.parametrize("plan,bucket_bytes,says", [
+    ([(40, [(0, 0, 10, 0)])], 39, "holds 40 bytes"),
+    ([(40, [(0, 0, 10, 4)])], 64, "outside"),
+    ([(40, [(0, 0, 11, 0)])], 64, "outside"),
+    ([(40, [(0, 0, 5, 2), (0, 5, 5, 20)])], 64, "outside"),        # not a float32 boundary
+    ([(40, [(0, 0, 5, 0), (0, 5, 5, 16)])], 64, "overlap"),
+    ([(40, [(0, 0, 5, 0)]), (40, [(0, 4, 6, 0)])], 64, "repeat"),
+    ([(20, [(0, 0, 5, 0)])], 64, "skip"),
+    ([(40, [(1, 0, 10, 0)])], 64, "names tensor 1"),
+    ([(40, [(0, 0, 10)])], 64, "malformed"),
+    ([(40, [(0, 0, True, 0)])], 64, "malformed"),
+    ([40], 64, "not (bytes, pieces)"),
+    ({"a": 1}, 64, "not a list"),
+    ([(40, [(0, 0, 10, 0)])], None, "not a positive int"),
+])
+def test_a_plan_that_would_write_out_of_place_is_refused(plan, bucket_bytes, says):
+    _, error = check_plan(plan, [((10,), torch.float32)], bucket_bytes)
+    assert error is not None and says in error, error
 
 
 def test_a_sync_is_bit_exact_and_checked():
@@ -51,6 +126,9 @@ def test_a_sync_is_bit_exact_and_checked():
         assert got["report"]["bytes"] == trainer["report"]["bytes"]
         assert got["report"]["buckets"] == trainer["report"]["buckets"] > 10
     assert trainer["report"]["buffer_bytes"] <= 2 * 4096
+    # units go as they lie in their gathered memory; a cast goes through a buffer
+    assert 0 < trainer["report"]["copied_bytes"] < trainer["report"]["bytes"] // 2
+    assert trainer["bf16_report"]["copied_bytes"] == trainer["bf16_report"]["bytes"]
     assert trainer["bf16_report"]["bytes"] * 2 == trainer["report"]["bytes"]
     assert results[0]["gathered_after"] == results[1]["gathered_after"] == 0
 
@@ -117,3 +195,16 @@ def test_a_sync_inside_generation_leaves_both_trainers_alike():
     for rank in workers.RECEIVERS:
         for logits in results[rank]["logits"]:
             torch.testing.assert_close(logits, policy["logits"][0], rtol=1e-5, atol=1e-5)
+
+
+def test_whole_params_go_from_the_memory_that_holds_them():
+    results = run_ranks(workers.sync_whole_params, 4)
+    sender = results[workers.SRC]
+    for rank in workers.RECEIVERS:
+        for sent, got in zip(sender["whole"], results[rank]["whole"], strict=True):
+            assert got.keys() == sent.keys()
+            for name, value in sent.items():
+                assert torch.equal(got[name], value), name
+    for report in sender["reports"]:          # a checksum checked each; little packed
+        assert 0 < report["copied_bytes"] < report["bytes"] // 4
+    assert results[1]["reports"][0]["copied_bytes"] == 0      # the other trainer sent nothing
