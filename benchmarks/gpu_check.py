@@ -15,6 +15,8 @@ wall-clock limit; a phase cut off is recorded as such and the run goes on.
      half on the host, all on the host;
    - bench-nccl: rlhfz's native NCCL engine against torch.distributed's, per
      collective and in a stage-2 iteration (one GPU: a world of one rank).
+   (bench-weight-sync-cpu, gloo weight sync on the machine's CPU cores, runs
+   last of all: it needs no GPU, only more cores than a CI machine has.)
    Stage-3 generation needs two ranks, so two GPUs under NCCL: it is not a
    phase while gpu-check runs on one (its CPU benchmark is the gloo one).
 2. The GPU test files, one pytest run each (an import error in one cannot
@@ -144,6 +146,9 @@ CHECK_PHASES = [
     # each benchmark once, as a test: the timings are the bench-offload phases'
     _test("test-bench-offload", "benchmarks/test_bench_offload.py", 60,
           args=["--benchmark-disable", "-k", "not sweep and not 1B"], plugin=True),
+    # last, and on the CPU: weight sync over gloo with a core for each of its 4
+    # ranks, which a 2-core machine cannot give (1.2 minutes there)
+    _bench("bench-weight-sync-cpu", "benchmarks/test_bench_weight_sync.py", 150, 140),
 ]
 
 # With the probe, 29 minutes at most.
@@ -684,6 +689,10 @@ BENCH_TABLES = {
                               "the host, all on the host", _extra_info_table),
     "bench-nccl": ("rlhfz's native NCCL engine against torch.distributed's, one GPU",
                    _extra_info_table),
+    "bench-weight-sync-cpu": ("Weight sync over gloo on this machine's CPU cores: 2 trainers "
+                              "(stage 3, then stage 2) to 2 receivers, a 118 MB GPT-2, against "
+                              "a raw broadcast of the same bytes in the same run",
+                              _extra_info_table),
 }
 
 
