@@ -282,7 +282,7 @@ class _Sender:
         self.stage3 = self.record.stage3 if self.record is not None else None
         entries, self.unit_of = _entries(self.record if self.stage3 is not None else None,
                                          inner, adapters)
-        slots = self.record.sharded_slots() if self.stage3 is not None else {}
+        self.slots = slots = self.record.sharded_slots() if self.stage3 is not None else {}
         self.memory = {}                 # home -> (gathered bucket, None) or (None, a tensor in it)
         planned = []
         for unit, name, t, merge in entries:
@@ -331,6 +331,22 @@ class _Sender:
                 raise RuntimeError("sync_weights: a unit to send from is not gathered here")
             return bucket.gathered[1].view(torch.uint8)
         return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+    def copies(self, bucket: SyncBucket, device: torch.device) -> bool:
+        """Whether a bucket goes through a buffer: packed, cast, or held on
+        another device than the group's."""
+        if bucket.source is None:
+            return True
+        if bucket.source[0] == "range":
+            held, t = self.memory[bucket.source[1]]
+            return (held.flat_param_shard.device if held is not None else t.device) != device
+        index = bucket.source[1]
+        _, _, t, merge = self.entries[index]
+        if merge is not None:
+            return True
+        slot = self.slots.get(id(t))
+        held = slot[0].flat_param_shard.device if slot is not None else t.device
+        return t.dtype != self.specs[index][1] or held != device
 
     def manifest(self, adapters: str, checksum: bool) -> dict:
         return {"format": FORMAT, "bucket_bytes": self.bucket_bytes, "adapters": adapters,
@@ -497,7 +513,11 @@ class _Buffers:
         self.channel, self.size = channel, size
         self.buffers, self.works, self.slot, self.used = None, [None, None], {}, 0
 
-    def take(self, k: int) -> torch.Tensor:
+    def take(self, k: int, nbytes: int) -> torch.Tensor:
+        """Bucket k's buffer, its first nbytes."""
+        if nbytes > self.size:
+            raise RuntimeError(f"weight sync: bucket {k} of {nbytes} bytes does not fit the "
+                               f"{self.size}-byte buffers planned for it")
         if k not in self.slot:
             if self.buffers is None:
                 self.buffers = _bucket_buffers(self.channel, self.size)
@@ -507,7 +527,7 @@ class _Buffers:
             if self.works[slot] is not None:
                 self.works[slot].wait()
                 self.works[slot] = None
-        return self.buffers[self.slot[k]]
+        return self.buffers[self.slot[k]][:nbytes]
 
     def sent(self, k: int, work) -> None:
         self.works[self.slot[k]] = work
@@ -527,7 +547,8 @@ def _send_buckets(sender: _Sender, channel: BroadcastChannel, checksum: bool,
     """Packs and broadcasts every bucket through two alternating buffers, or
     sends it from the memory that holds it (kept alive, and gathered, until
     it has gone); returns the buffers' bytes and the bytes copied in them."""
-    buffers = _Buffers(channel, max((b.nbytes for b in sender.buckets), default=0))
+    buffers = _Buffers(channel, max((b.nbytes for b in sender.buckets
+                                     if sender.copies(b, channel.device)), default=0))
     reading = []                             # sends from memory: (work, the memory they read)
     filled = {"bucket": -1, "end": 0}       # how far the bucket being packed is filled
     copied = [0]
@@ -541,7 +562,7 @@ def _send_buckets(sender: _Sender, channel: BroadcastChannel, checksum: bool,
     def pack(k, piece, value_of):
         if sender.buckets[k].source is not None:
             return
-        buffer = buffers.take(k)
+        buffer = buffers.take(k, sender.buckets[k].nbytes)
         if filled["bucket"] != k:
             filled.update(bucket=k, end=0)
         index, start, count, offset = piece
@@ -558,7 +579,7 @@ def _send_buckets(sender: _Sender, channel: BroadcastChannel, checksum: bool,
         bucket = sender.buckets[k]
         what = f"weight-sync bucket {k}"
         if bucket.source is None:
-            flat = buffers.take(k)[:bucket.nbytes]
+            flat = buffers.take(k, bucket.nbytes)
         elif bucket.source[0] == "range":
             _, home, lo = bucket.source
             flat = sender.memory_bytes(home)[lo:lo + bucket.nbytes]
@@ -568,12 +589,12 @@ def _send_buckets(sender: _Sender, channel: BroadcastChannel, checksum: bool,
             dtype = sender.specs[index][1]
             flat = source.view(torch.uint8) if source.dtype == dtype else None
             if flat is None:                    # cast on the way
-                flat = buffers.take(k)[:bucket.nbytes]
+                flat = buffers.take(k, bucket.nbytes)
                 with torch.no_grad():
                     flat.view(dtype).copy_(source)
                 copied[0] += bucket.nbytes
         if flat.device != channel.device:       # to the group's device on the way
-            staged = buffers.take(k)[:bucket.nbytes]
+            staged = buffers.take(k, bucket.nbytes)
             staged.copy_(flat)
             flat = staged
             copied[0] += bucket.nbytes
@@ -715,7 +736,7 @@ def _receive_buckets(buckets, specs, targets, channel: BroadcastChannel) -> None
 
     def post(k):
         flat = into(k)
-        flat = flat if flat is not None else buffers.take(k)[:buckets[k].nbytes]
+        flat = flat if flat is not None else buffers.take(k, buckets[k].nbytes)
         return channel.bytes(flat, f"weight-sync bucket {k}")
 
     work = post(0)
@@ -724,7 +745,7 @@ def _receive_buckets(buckets, specs, targets, channel: BroadcastChannel) -> None
             upcoming = post(k + 1) if k + 1 < len(buckets) else None
             work.wait()
             if k in buffers.slot:
-                buffer = buffers.take(k)
+                buffer = buffers.take(k, bucket.nbytes)
                 for index, start, count, offset in bucket.pieces:
                     dtype = specs[index][1]
                     source = buffer[offset:offset + count * dtype.itemsize].view(dtype)

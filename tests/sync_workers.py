@@ -212,7 +212,7 @@ def sync_in_generation(rank, world_size):
     return out
 
 
-def _laid_back_to_front(model):
+def laid_back_to_front(model):
     """The model's params moved into one tensor, the last param first."""
     params = list(model.parameters())
     flat = torch.empty(sum(p.numel() for p in params))
@@ -259,5 +259,5 @@ def sync_whole_params(rank, world_size):
     with torch.no_grad():
         moved.data = moved.detach().clone() + 1.0
     send(model)
-    send(_laid_back_to_front(tiny_lm("gpt2", seed=7)))
+    send(laid_back_to_front(tiny_lm("gpt2", seed=7)))
     return out

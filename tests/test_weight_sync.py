@@ -208,3 +208,22 @@ def test_whole_params_go_from_the_memory_that_holds_them():
     for report in sender["reports"]:          # a checksum checked each; little packed
         assert 0 < report["copied_bytes"] < report["bytes"] // 4
     assert results[1]["reports"][0]["copied_bytes"] == 0      # the other trainer sent nothing
+
+
+def test_only_what_is_packed_or_cast_takes_a_buffer():
+    from rlhfz.weight_sync import _Sender
+    model = workers.laid_back_to_front(workers.tiny_lm("gpt2", seed=7))
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    cpu = torch.device("cpu")
+    for dtype in (None, torch.bfloat16):
+        sender = _Sender(model, "merged", dtype, 1 << 16)
+        manifest = sender.manifest("merged", False)
+        specs = [(tuple(shape), getattr(torch, name)) for _, shape, name in manifest["tensors"]]
+        assert check_plan(manifest["buckets"], specs, 1 << 16)[1] is None
+        ranges = [b for b in sender.buckets if b.source and b.source[0] == "range"]
+        for bucket in sender.buckets:
+            assert sender.copies(bucket, cpu) == (bucket.source is None or dtype is not None)
+        if dtype is None:           # the params lie in one tensor: sent as they lie
+            assert sum(b.nbytes for b in ranges) > 0.9 * total
+        else:                       # cast on the way: every byte through a buffer
+            assert not ranges
