@@ -185,7 +185,8 @@ def plan_buckets(specs: list[tuple[tuple[int, ...], torch.dtype]], bucket_bytes:
 def check_plan(plan, specs, bucket_bytes) -> tuple[list[SyncBucket], str | None]:
     """A manifest's buckets as SyncBuckets, or what is wrong with them: every
     piece inside its bucket and its tensor, viewable as the tensor's dtype,
-    no two overlapping, every element of every tensor in exactly one."""
+    no two overlapping, no more bytes than the pieces and the gaps between
+    them, every element of every tensor in exactly one."""
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         return [], f"the manifest's bucket size {bucket_bytes!r} is not a positive int"
     if not isinstance(plan, (list, tuple)):
@@ -222,6 +223,11 @@ def check_plan(plan, specs, bucket_bytes) -> tuple[list[SyncBucket], str | None]
         spans.sort()
         if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
             return [], f"bucket {k} of the manifest has pieces that overlap"
+        # what a receiver allocates is what the pieces need: no more
+        if spans[0][0] != 0 or spans[-1][1] != nbytes or any(
+                b[0] - a[1] > RANGE_GAP_BYTES for a, b in zip(spans, spans[1:])):
+            return [], (f"bucket {k} of the manifest holds {nbytes} bytes, more than its "
+                        f"pieces and the gaps between them")
         buckets.append(SyncBucket(nbytes, pieces))
     for index, ranges in enumerate(covered):
         ranges.sort()
