@@ -1,7 +1,8 @@
 """Per-rank bodies of the weight-sync benchmark (importable by spawned ranks).
 
-Ranks 0 and 1 train a GPT-2 at stage 3 (or 2); ranks 2 and 3 hold plain copies.
-The sync group holds rank 0 (src) and the receivers. Three ways to move the
+Ranks 0 and 1 train a GPT-2 at stage 3 (or 2); ranks 2 and 3 hold plain copies
+(or, with one trainer, rank 0 trains and rank 1 receives: a core for each
+on a 2-core machine). The sync group holds rank 0 (src) and the receivers. Three ways to move the
 same weights, in interleaved rounds:
 - raw: one broadcast of a flat buffer of the same bytes (the floor);
 - rlhfz: sync_weights / receive_weights (gathers, manifest, buckets);
@@ -22,7 +23,12 @@ import time
 import torch
 import torch.distributed as dist
 
-TRAINERS, RECEIVERS, SRC = [0, 1], [2, 3], 0
+SRC = 0
+
+
+def roles(world_size: int, trainers: int) -> tuple[list[int], list[int]]:
+    """(the trainers' ranks, the receivers')."""
+    return list(range(trainers)), list(range(trainers, world_size))
 
 
 def model_config(size: str):
@@ -55,11 +61,12 @@ def _reset_peak() -> None:
         pass
 
 
-def run(rank, world_size, size, rounds, bucket_bytes, stage=3):
+def run(rank, world_size, size, rounds, bucket_bytes, stage=3, trainers=2):
     import rlhfz
-    train = dist.new_group(TRAINERS)
-    sync = dist.new_group([SRC] + RECEIVERS)
-    trainer = rank in TRAINERS
+    trainer_ranks, receiver_ranks = roles(world_size, trainers)
+    train = dist.new_group(trainer_ranks)
+    sync = dist.new_group([SRC] + receiver_ranks)
+    trainer = rank in trainer_ranks
     model = _build(size, 0 if trainer else rank)
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     if trainer:
@@ -95,18 +102,18 @@ def run(rank, world_size, size, rounds, bucket_bytes, stage=3):
                 for name in names:
                     dist.broadcast(params[name].data, src=SRC, group=sync)
 
-    half = torch.empty(total // len(TRAINERS), dtype=torch.uint8) if trainer else None
+    half = torch.empty(total // len(trainer_ranks), dtype=torch.uint8) if trainer else None
 
     def gather_then_raw():
         """What a stage-3 sync moves, raw and one after the other: the
         trainers' all-gather of the model's bytes, then the broadcast."""
         if trainer:
-            dist.all_gather_into_tensor(flat[:half.numel() * len(TRAINERS)], half, group=train)
+            dist.all_gather_into_tensor(flat[:half.numel() * len(trainer_ranks)], half, group=train)
         raw()
 
     def gather_onto_src_then_raw():
         if trainer:
-            step, other = 4 << 20, [r for r in TRAINERS if r != SRC][0]
+            step, other = 4 << 20, [r for r in trainer_ranks if r != SRC][0]
             pieces = range(0, half.numel(), step)
             if rank == SRC:
                 into = flat[half.numel():]
@@ -142,4 +149,4 @@ def run(rank, world_size, size, rounds, bucket_bytes, stage=3):
     return {"bytes": total, "times": times, "median_s": {n: statistics.median(v)
                                                          for n, v in times.items()},
             "peak_extra": {n: max(v) for n, v in peaks.items()},
-            "params": len(names), "weights": weights if rank in (SRC, *RECEIVERS) else None}
+            "params": len(names), "weights": weights if rank in (SRC, *receiver_ranks) else None}
