@@ -289,7 +289,7 @@ class _Sender:
         entries, self.unit_of = _entries(self.record if self.stage3 is not None else None,
                                          inner, adapters)
         self.slots = slots = self.record.sharded_slots() if self.stage3 is not None else {}
-        self.memory = {}                 # home -> (gathered bucket, None) or (None, a tensor in it)
+        self.memory = {}                 # home -> (its gathered bucket or None, a tensor in it)
         planned = []
         for unit, name, t, merge in entries:
             sent = dtype if dtype is not None and t.dtype in _FLOATS else t.dtype
@@ -319,7 +319,7 @@ class _Sender:
         if slot is not None:
             bucket, index = slot
             home = ("gathered", id(bucket))
-            self.memory[home] = (bucket, None)
+            self.memory.setdefault(home, (bucket, t))
             return home, bucket.layout.slots[index].offset * bucket.itemsize
         plain = type(t) in (torch.nn.Parameter, torch.Tensor) and t.layout == torch.strided
         if self.stage3 is not None or not plain or not t.is_contiguous():
@@ -339,20 +339,19 @@ class _Sender:
         return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
 
     def copies(self, bucket: SyncBucket, device: torch.device) -> bool:
-        """Whether a bucket goes through a buffer: packed, cast, or held on
-        another device than the group's."""
+        """Whether a bucket goes through a buffer: packed, cast, merged, or
+        held on another device than the group's."""
         if bucket.source is None:
             return True
         if bucket.source[0] == "range":
-            held, t = self.memory[bucket.source[1]]
-            return (held.flat_param_shard.device if held is not None else t.device) != device
-        index = bucket.source[1]
-        _, _, t, merge = self.entries[index]
-        if merge is not None:
-            return True
-        slot = self.slots.get(id(t))
-        held = slot[0].flat_param_shard.device if slot is not None else t.device
-        return t.dtype != self.specs[index][1] or held != device
+            t = self.memory[bucket.source[1]][1]
+        else:
+            index = bucket.source[1]
+            _, _, t, merge = self.entries[index]
+            if merge is not None or t.dtype != self.specs[index][1]:
+                return True
+        slot = self.slots.get(id(t))            # a sharded param is whole where its shard is
+        return (slot[0].flat_param_shard.device if slot is not None else t.device) != device
 
     def manifest(self, adapters: str, checksum: bool) -> dict:
         return {"format": FORMAT, "bucket_bytes": self.bucket_bytes, "adapters": adapters,
