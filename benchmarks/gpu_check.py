@@ -15,12 +15,13 @@ wall-clock limit; a phase cut off is recorded as such and the run goes on.
      half on the host, all on the host;
    - bench-nccl: rlhfz's native NCCL engine against torch.distributed's, per
      collective and in a stage-2 iteration (one GPU: a world of one rank).
-   (bench-weight-sync-cpu, gloo weight sync on the machine's CPU cores, runs
-   last of all: it needs no GPU, only more cores than a CI machine has.)
+   - bench-weight-sync-cpu: gloo weight sync on the machine's CPU cores; it
+     needs no GPU, only more cores than a CI machine has.
    Stage-3 generation needs two ranks, so two GPUs under NCCL: it is not a
    phase while gpu-check runs on one (its CPU benchmark is the gloo one).
 2. The GPU test files, one pytest run each (an import error in one cannot
-   hide the others), and the offload benchmark file once as a plain test.
+   hide the others), weight sync from GPU memory (two ranks on the one GPU,
+   over gloo), and the offload benchmark file once as a plain test.
    The kernel file's compute-sanitizer test is left to make gpu-sanitize.
 
 `--sanitizer` (make gpu-sanitize) first checks that compute-sanitizer exists
@@ -135,6 +136,9 @@ CHECK_PHASES = [
     _bench("bench-offload-sweep", "benchmarks/test_bench_offload.py", 240, 120, ["-k", "sweep"]),
     _bench("bench-offload-step-1B", "benchmarks/test_bench_offload.py", 240, 150, ["-k", "1B"]),
     _bench("bench-nccl", "benchmarks/test_bench_nccl_cuda.py", 150, 60),
+    # on the CPU, the last benchmark: weight sync over gloo with a core for each
+    # of its 4 ranks, which a 2-core machine cannot give (1.2 minutes there)
+    _bench("bench-weight-sync-cpu", "benchmarks/test_bench_weight_sync.py", 150, 140),
     _test("test-cuda-buffers", "tests/test_cuda_buffers.py", 45),
     _test("test-cuda-collectives", "tests/test_cuda_collectives.py", 60),
     _test("test-cuda-kernels", "tests/test_cuda_kernels.py", 150, args=NOT_SANITIZER_TEST),
@@ -143,12 +147,12 @@ CHECK_PHASES = [
     _test("test-cuda-optim", "tests/test_cuda_optim.py", 120),
     _test("test-offload-cuda", "tests/test_offload_cuda.py", 90),
     _test("test-nccl", "tests/test_nccl.py", 90, test_timeout_s=80),
+    # two ranks on the one GPU over gloo: device bytes staged through host memory
+    _test("test-weight-sync-device", "tests/test_weight_sync_device.py", 150,
+          test_timeout_s=120),
     # each benchmark once, as a test: the timings are the bench-offload phases'
     _test("test-bench-offload", "benchmarks/test_bench_offload.py", 60,
           args=["--benchmark-disable", "-k", "not sweep and not 1B"], plugin=True),
-    # last, and on the CPU: weight sync over gloo with a core for each of its 4
-    # ranks, which a 2-core machine cannot give (1.2 minutes there)
-    _bench("bench-weight-sync-cpu", "benchmarks/test_bench_weight_sync.py", 150, 140),
 ]
 
 # With the probe, 29 minutes at most.

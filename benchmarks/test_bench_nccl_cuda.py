@@ -17,6 +17,8 @@ link. Run: make gpu-check (phase bench-nccl), or
 python -m pytest benchmarks/test_bench_nccl_cuda.py
 """
 
+import inspect
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -87,11 +89,17 @@ def test_stage2_iteration(benchmark, nccl_world, monkeypatch, kind):
     benchmark.group = "stage-2 iteration, world 1, NCCL engines"
     made = []
 
-    def keep_the_communicator(process_group, collectives="torch", backend=None):
+    def keep_the_communicator(process_group, collectives="torch", backend=None,
+                              device_mesh=None):
+        # the optimizer's would give none at world 1: this one keeps an engine
+        assert device_mesh is None
         engine = (rlhfz_comm.NativeNcclCommunicator(process_group, backend)
                   if collectives == "nccl" else rlhfz_comm.Communicator(process_group))
         made.append(engine)
         return engine
+    assert (inspect.signature(keep_the_communicator).parameters.keys()
+            == inspect.signature(rlhfz.optim.communicator_for).parameters.keys()), \
+        "communicator_for's arguments changed: update the stand-in"
     monkeypatch.setattr(rlhfz.optim, "communicator_for", keep_the_communicator)
     torch.manual_seed(0)
     width = 4096
