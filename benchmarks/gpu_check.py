@@ -155,7 +155,7 @@ CHECK_PHASES = [
           args=["--benchmark-disable", "-k", "not sweep and not 1B"], plugin=True),
 ]
 
-# With the probe, 29 minutes at most.
+# With the probe, 30.5 minutes at most.
 SANITIZE_PHASES = [
     # memcheck, racecheck, initcheck and synccheck over every kernel, without torch
     Phase("kernels-sanitizer-test", "test", "tests/test_cuda_kernels.py", 300, 290,
@@ -168,7 +168,8 @@ SANITIZE_PHASES = [
     _sanitize("memcheck-offload-cuda", "memcheck", "tests/test_offload_cuda.py", 150),
     _sanitize("racecheck-cuda-kernels", "racecheck", "tests/test_cuda_kernels.py", 240),
     _sanitize("synccheck-cuda-kernels", "synccheck", "tests/test_cuda_kernels.py", 180),
-    # the int8 step's block max in shared memory
+    # the low-precision step: its loads and stores, and the int8 step's block max in shared memory
+    _sanitize("memcheck-cuda-lowp-kernels", "memcheck", "tests/test_cuda_lowp_kernels.py", 90),
     _sanitize("racecheck-cuda-lowp-kernels", "racecheck", "tests/test_cuda_lowp_kernels.py", 90),
 ]
 
