@@ -2,6 +2,7 @@
 ranks 0 and 1 train at stage 3, ranks 2 and 3 hold plain models and
 receive; the sync group holds rank 0 (src) and the receivers."""
 import os
+import pickle
 
 import torch
 import torch.distributed as dist
@@ -261,3 +262,53 @@ def sync_whole_params(rank, world_size):
     send(model)
     send(laid_back_to_front(tiny_lm("gpt2", seed=7)))
     return out
+
+
+def frame_values(frame_bytes: int) -> list:
+    """Values for the channel's frame: none, a small one, pickles that fill
+    the frame after its 8-byte length to the last byte, overflow it by one,
+    and span several frames."""
+    def pickled_to(n):
+        value = b"x" * (n - 64)
+        value = b"x" * (len(value) + n - len(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)))
+        assert len(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)) == n
+        return value
+
+    room = frame_bytes - 8
+    return [None, {"tensors": [("w", [2, 3], "float32")]}, pickled_to(room),
+            pickled_to(room + 1), pickled_to(3 * frame_bytes + 5)]
+
+
+def channel_round_trips(rank, world_size):
+    """The channel's values from src (rank 1 here) and its verdicts: none,
+    one rank's, every rank's; and the collectives each took."""
+    from rlhfz.comm.channel import FRAME_BYTES, BroadcastChannel
+    channel = BroadcastChannel(dist.new_group([0, 1, 2]), 1)
+    calls = []
+
+    def counted(name):
+        real = getattr(dist, name)
+
+        def call(*args, **kwargs):
+            calls.append(name)
+            return real(*args, **kwargs)
+        return call
+
+    def collectives(fn):
+        del calls[:]
+        return fn(), list(calls)
+
+    names = ("broadcast", "all_reduce", "all_gather_object")
+    real = {name: getattr(dist, name) for name in names}
+    for name in names:
+        setattr(dist, name, counted(name))
+    try:
+        got = [collectives(lambda: channel.object(value if rank == 1 else None))
+               for value in frame_values(FRAME_BYTES)]
+        verdicts = [collectives(lambda: channel.verdict(None)),
+                    collectives(lambda: channel.verdict("bad here" if rank == 2 else None)),
+                    collectives(lambda: channel.verdict(f"rank {rank} says no"))]
+    finally:
+        for name in names:
+            setattr(dist, name, real[name])
+    return {"got": got, "verdicts": verdicts}

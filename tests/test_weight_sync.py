@@ -137,6 +137,20 @@ def test_a_sync_is_bit_exact_and_checked():
     assert results[0]["gathered_after"] == results[1]["gathered_after"] == 0
 
 
+def test_the_channel_carries_values_of_any_size_and_every_verdict():
+    from rlhfz.comm.channel import FRAME_BYTES
+    results = run_ranks(workers.channel_round_trips, 3)
+    sent = workers.frame_values(FRAME_BYTES)
+    one, two = ["broadcast"], ["broadcast"] * 2        # a frame; a frame and the rest
+    for rank in range(3):
+        assert results[rank]["got"] == list(zip(sent, [one, one, one, two, two]))
+        # a verdict with no message is one all-reduce; the messages go only when there are some
+        gathered = ["all_reduce", "all_gather_object"]
+        assert results[rank]["verdicts"] == [(None, ["all_reduce"]),
+                                             ("rank 2: bad here", gathered),
+                                             ("rank 0: rank 0 says no", gathered)]
+
+
 def test_a_manifest_that_does_not_fit_fails_everywhere_and_writes_nothing():
     results = run_ranks(workers.sync_refused, 4)
     for rank, result in enumerate(results):

@@ -9,11 +9,18 @@ buckets, asynchronously, whose waits are cut off at rlhfz's timeout.
 from __future__ import annotations
 
 import datetime
+import pickle
 
 import torch
 import torch.distributed as dist
 
 from .control import CollectiveError, collective_timeout
+
+# A value whose pickle fits one frame goes in a single broadcast. 64 KiB holds
+# the manifest of a model of several hundred tensors and costs a broadcast
+# hardly more than a few bytes do.
+FRAME_BYTES = 64 << 10
+_LENGTH_BYTES = 8
 
 
 def in_group(group) -> bool:
@@ -58,13 +65,49 @@ class BroadcastChannel:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def object(self, value=None):
-        """The sender's small picklable value, on every rank of the group."""
-        box = [value]
-        dist.broadcast_object_list(box, src=self.src, group=self.group)
-        return box[0]
+        """The sender's small picklable value, on every rank of the group: one
+        broadcast of a frame of FRAME_BYTES, its pickle's length and as much of
+        it as fits, and a second for the rest only where it does not fit. Each
+        collective is a round trip that every sync waits for; torch's object
+        broadcast takes two for any value."""
+        frame = torch.zeros(FRAME_BYTES, dtype=torch.uint8)
+        sender = dist.get_rank() == self.src
+        if sender:
+            data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+            head = len(data).to_bytes(_LENGTH_BYTES, "little") + data[:FRAME_BYTES - _LENGTH_BYTES]
+            frame[:len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+        frame = self._broadcast(frame)
+        length = int.from_bytes(frame[:_LENGTH_BYTES].numpy().tobytes(), "little")
+        rest = length - (FRAME_BYTES - _LENGTH_BYTES)
+        if rest > 0:
+            tail = torch.empty(rest, dtype=torch.uint8)
+            if sender:
+                tail.copy_(torch.frombuffer(bytearray(data[FRAME_BYTES - _LENGTH_BYTES:]),
+                                            dtype=torch.uint8))
+            tail = self._broadcast(tail)
+        if sender:
+            return value
+        data = frame[_LENGTH_BYTES:_LENGTH_BYTES + length].numpy().tobytes()
+        return pickle.loads(data + tail.numpy().tobytes() if rest > 0 else data)
+
+    def _broadcast(self, host: torch.Tensor) -> torch.Tensor:
+        """host's bytes from src, in host memory on every rank (through the
+        group's device where that is not the CPU)."""
+        if self.device.type == "cpu":
+            dist.broadcast(host, src=self.src, group=self.group)
+            return host
+        moved = host.to(self.device)
+        dist.broadcast(moved, src=self.src, group=self.group)
+        return moved.cpu()
 
     def verdict(self, message: str | None) -> str | None:
-        """Every rank's error message (or None): the first, with its rank."""
+        """Every rank's error message (or None): the first, with its rank.
+        One all-reduce of a flag when no rank has one; the messages go only
+        where some rank does."""
+        flag = torch.tensor([0 if message is None else 1], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if not int(flag.item()):
+            return None
         everyone = [None] * len(self.ranks)
         dist.all_gather_object(everyone, message, group=self.group)
         return next((f"rank {self.ranks[i]}: {m}" for i, m in enumerate(everyone)
