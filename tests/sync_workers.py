@@ -2,7 +2,6 @@
 ranks 0 and 1 train at stage 3, ranks 2 and 3 hold plain models and
 receive; the sync group holds rank 0 (src) and the receivers."""
 import os
-import pickle
 
 import torch
 import torch.distributed as dist
@@ -265,18 +264,15 @@ def sync_whole_params(rank, world_size):
 
 
 def frame_values(frame_bytes: int) -> list:
-    """Values for the channel's frame: none, a small one, pickles that fill
+    """Values for the channel's frame: none, a small one, encodings that fill
     the frame after its 8-byte length to the last byte, overflow it by one,
     and span several frames."""
-    def pickled_to(n):
-        value = b"x" * (n - 64)
-        value = b"x" * (len(value) + n - len(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)))
-        assert len(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)) == n
-        return value
+    def encoded_to(n):              # a JSON string: its n - 2 characters and two quotes
+        return "x" * (n - 2)
 
     room = frame_bytes - 8
-    return [None, {"tensors": [("w", [2, 3], "float32")]}, pickled_to(room),
-            pickled_to(room + 1), pickled_to(3 * frame_bytes + 5)]
+    return [None, {"tensors": [["w", [2, 3], "float32"]], "checksum": False, "crc": 2**32 - 1},
+            encoded_to(room), encoded_to(room + 1), encoded_to(3 * frame_bytes + 5)]
 
 
 def channel_round_trips(rank, world_size):
@@ -311,4 +307,18 @@ def channel_round_trips(rank, world_size):
     finally:
         for name in names:
             setattr(dist, name, real[name])
-    return {"got": got, "verdicts": verdicts}
+    # a frame that announces more than any manifest: refused, not allocated
+    from rlhfz.comm.channel import MAX_OBJECT_BYTES
+    from rlhfz.comm.control import CollectiveError
+    refused = None
+    if rank == 1:
+        frame = torch.zeros(FRAME_BYTES, dtype=torch.uint8)
+        frame[:8] = torch.tensor(list((MAX_OBJECT_BYTES + 1).to_bytes(8, "little")),
+                                 dtype=torch.uint8)
+        dist.broadcast(frame, src=1, group=channel.group)
+    else:
+        try:
+            channel.object()
+        except CollectiveError as error:
+            refused = str(error)
+    return {"got": got, "verdicts": verdicts, "refused": refused}

@@ -138,6 +138,7 @@ def test_a_sync_is_bit_exact_and_checked():
 
 
 def test_the_channel_carries_values_of_any_size_and_every_verdict():
+    """And a frame that announces more than any manifest is refused."""
     from rlhfz.comm.channel import FRAME_BYTES
     results = run_ranks(workers.channel_round_trips, 3)
     sent = workers.frame_values(FRAME_BYTES)
@@ -149,6 +150,8 @@ def test_the_channel_carries_values_of_any_size_and_every_verdict():
         assert results[rank]["verdicts"] == [(None, ["all_reduce"]),
                                              ("rank 2: bad here", gathered),
                                              ("rank 0: rank 0 says no", gathered)]
+        if rank != 1:
+            assert "is not an rlhfz weight-sync sender" in results[rank]["refused"]
 
 
 def test_a_manifest_that_does_not_fit_fails_everywhere_and_writes_nothing():

@@ -9,7 +9,7 @@ buckets, asynchronously, whose waits are cut off at rlhfz's timeout.
 from __future__ import annotations
 
 import datetime
-import pickle
+import json
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,8 @@ from .control import CollectiveError, collective_timeout
 # hardly more than a few bytes do.
 FRAME_BYTES = 64 << 10
 _LENGTH_BYTES = 8
+# far above any manifest: a larger length is not an rlhfz sender's
+MAX_OBJECT_BYTES = 1 << 30
 
 
 def in_group(group) -> bool:
@@ -65,30 +67,34 @@ class BroadcastChannel:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def object(self, value=None):
-        """The sender's small picklable value, on every rank of the group: one
-        broadcast of a frame of FRAME_BYTES, its pickle's length and as much of
-        it as fits, and a second for the rest only where it does not fit. Each
-        collective is a round trip that every sync waits for; torch's object
-        broadcast takes two for any value."""
+        """The sender's small value, JSON's kinds only (a manifest, a
+        checksum), on every rank of the group: one broadcast of a frame of
+        FRAME_BYTES, the encoding's length and as much of it as fits, and a
+        second for the rest only where it does not fit. Each collective is
+        a round trip that every sync waits for (torch's object broadcast
+        takes two for any value), and JSON, unlike a pickle, runs nothing
+        a sender sends."""
         frame = torch.zeros(FRAME_BYTES, dtype=torch.uint8)
+        room = FRAME_BYTES - _LENGTH_BYTES
         sender = dist.get_rank() == self.src
         if sender:
-            data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-            head = len(data).to_bytes(_LENGTH_BYTES, "little") + data[:FRAME_BYTES - _LENGTH_BYTES]
+            data = json.dumps(value, separators=(",", ":")).encode()
+            head = len(data).to_bytes(_LENGTH_BYTES, "little") + data[:room]
             frame[:len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
         frame = self._broadcast(frame)
         length = int.from_bytes(frame[:_LENGTH_BYTES].numpy().tobytes(), "little")
-        rest = length - (FRAME_BYTES - _LENGTH_BYTES)
-        if rest > 0:
-            tail = torch.empty(rest, dtype=torch.uint8)
+        if length > MAX_OBJECT_BYTES:
+            raise CollectiveError(f"rank {dist.get_rank()}: rank {self.src} announced a "
+                                  f"{length}-byte value: it is not an rlhfz weight-sync sender")
+        tail = torch.empty(max(0, length - room), dtype=torch.uint8)
+        if tail.numel():
             if sender:
-                tail.copy_(torch.frombuffer(bytearray(data[FRAME_BYTES - _LENGTH_BYTES:]),
-                                            dtype=torch.uint8))
+                tail.copy_(torch.frombuffer(bytearray(data[room:]), dtype=torch.uint8))
             tail = self._broadcast(tail)
         if sender:
             return value
-        data = frame[_LENGTH_BYTES:_LENGTH_BYTES + length].numpy().tobytes()
-        return pickle.loads(data + tail.numpy().tobytes() if rest > 0 else data)
+        data = frame[_LENGTH_BYTES:_LENGTH_BYTES + min(length, room)].numpy().tobytes()
+        return json.loads(data + tail.numpy().tobytes())
 
     def _broadcast(self, host: torch.Tensor) -> torch.Tensor:
         """host's bytes from src, in host memory on every rank (through the
