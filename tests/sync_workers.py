@@ -275,6 +275,10 @@ def frame_values(frame_bytes: int) -> list:
             encoded_to(room), encoded_to(room + 1), encoded_to(3 * frame_bytes + 5)]
 
 
+# more bytes than a verdict carries, in two-byte characters
+LONG_MESSAGE = "\u00e9" * 3000
+
+
 def channel_round_trips(rank, world_size):
     """The channel's values from src (rank 1 here) and its verdicts: none,
     one rank's, every rank's; and the collectives each took."""
@@ -294,7 +298,7 @@ def channel_round_trips(rank, world_size):
         del calls[:]
         return fn(), list(calls)
 
-    names = ("broadcast", "all_reduce", "all_gather_object")
+    names = ("broadcast", "all_reduce", "all_gather")
     real = {name: getattr(dist, name) for name in names}
     for name in names:
         setattr(dist, name, counted(name))
@@ -303,7 +307,8 @@ def channel_round_trips(rank, world_size):
                for value in frame_values(FRAME_BYTES)]
         verdicts = [collectives(lambda: channel.verdict(None)),
                     collectives(lambda: channel.verdict("bad here" if rank == 2 else None)),
-                    collectives(lambda: channel.verdict(f"rank {rank} says no"))]
+                    collectives(lambda: channel.verdict(f"rank {rank} says no")),
+                    collectives(lambda: channel.verdict(LONG_MESSAGE if rank == 0 else None))]
     finally:
         for name in names:
             setattr(dist, name, real[name])

@@ -146,10 +146,14 @@ def test_the_channel_carries_values_of_any_size_and_every_verdict():
     for rank in range(3):
         assert results[rank]["got"] == list(zip(sent, [one, one, one, two, two]))
         # a verdict with no message is one all-reduce; the messages go only when there are some
-        gathered = ["all_reduce", "all_gather_object"]
-        assert results[rank]["verdicts"] == [(None, ["all_reduce"]),
-                                             ("rank 2: bad here", gathered),
-                                             ("rank 0: rank 0 says no", gathered)]
+        gathered = ["all_reduce", "all_gather"]
+        assert results[rank]["verdicts"][:3] == [(None, ["all_reduce"]),
+                                                 ("rank 2: bad here", gathered),
+                                                 ("rank 0: rank 0 says no", gathered)]
+        long, calls = results[rank]["verdicts"][3]        # cut at a character's end
+        assert calls == gathered and long.startswith("rank 0: ")
+        assert 1000 < len(long) - 8 < len(workers.LONG_MESSAGE)
+        assert workers.LONG_MESSAGE.startswith(long[8:])
         if rank != 1:
             assert "is not an rlhfz weight-sync sender" in results[rank]["refused"]
 

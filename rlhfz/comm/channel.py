@@ -23,6 +23,8 @@ FRAME_BYTES = 64 << 10
 _LENGTH_BYTES = 8
 # far above any manifest: a larger length is not an rlhfz sender's
 MAX_OBJECT_BYTES = 1 << 30
+# a verdict's message is cut to this many bytes
+MESSAGE_BYTES = 4096
 
 
 def in_group(group) -> bool:
@@ -114,10 +116,21 @@ class BroadcastChannel:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         if not int(flag.item()):
             return None
-        everyone = [None] * len(self.ranks)
-        dist.all_gather_object(everyone, message, group=self.group)
-        return next((f"rank {self.ranks[i]}: {m}" for i, m in enumerate(everyone)
-                     if m is not None), None)
+        # each rank's message as UTF-8 text in a frame (cut at MESSAGE_BYTES),
+        # never a pickle: a verdict runs nothing another rank sends
+        frame = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
+        if message is not None:
+            text = message.encode()[:MESSAGE_BYTES - 1].decode(errors="ignore").encode()
+            frame[0] = 1
+            frame[1:1 + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        frame = frame.to(self.device)
+        everyone = [torch.empty_like(frame) for _ in self.ranks]
+        dist.all_gather(everyone, frame, group=self.group)
+        for rank, theirs in zip(self.ranks, everyone):
+            theirs = theirs.cpu().numpy().tobytes()
+            if theirs[0]:
+                return f"rank {rank}: " + theirs[1:].rstrip(b"\0").decode(errors="replace")
+        return None
 
     def bytes(self, flat: torch.Tensor, what: str) -> _Sent:
         """Broadcasts flat (sent on src, received elsewhere), asynchronously."""
