@@ -11,7 +11,6 @@ from stage3_workers import batches, lm_loss, tiny_lm
 from sync_workers import laid_back_to_front
 
 SRC, RECEIVER = 0, 1
-SENDS = 2                    # full precision, then cast to bf16 on the way
 
 
 def _host_copy(named):

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from .control import CollectiveError, collective_timeout
 
-# A value whose pickle fits one frame goes in a single broadcast. 64 KiB holds
+# A value whose encoding fits one frame goes in a single broadcast. 64 KiB holds
 # the manifest of a model of several hundred tensors and costs a broadcast
 # hardly more than a few bytes do.
 FRAME_BYTES = 64 << 10
@@ -25,6 +25,12 @@ _LENGTH_BYTES = 8
 MAX_OBJECT_BYTES = 1 << 30
 # a verdict's message is cut to this many bytes
 MESSAGE_BYTES = 4096
+
+
+def _as_tensor(data: bytes) -> torch.Tensor:
+    """bytes as a uint8 tensor of its own."""
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else \
+        torch.empty(0, dtype=torch.uint8)
 
 
 def in_group(group) -> bool:
@@ -82,16 +88,15 @@ class BroadcastChannel:
         if sender:
             data = json.dumps(value, separators=(",", ":")).encode()
             head = len(data).to_bytes(_LENGTH_BYTES, "little") + data[:room]
-            frame[:len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+            frame[:len(head)] = _as_tensor(head)
         frame = self._broadcast(frame)
         length = int.from_bytes(frame[:_LENGTH_BYTES].numpy().tobytes(), "little")
         if length > MAX_OBJECT_BYTES:
             raise CollectiveError(f"rank {dist.get_rank()}: rank {self.src} announced a "
                                   f"{length}-byte value: it is not an rlhfz weight-sync sender")
-        tail = torch.empty(max(0, length - room), dtype=torch.uint8)
+        tail = (_as_tensor(data[room:]) if sender else
+                torch.empty(max(0, length - room), dtype=torch.uint8))
         if tail.numel():
-            if sender:
-                tail.copy_(torch.frombuffer(bytearray(data[room:]), dtype=torch.uint8))
             tail = self._broadcast(tail)
         if sender:
             return value
@@ -122,7 +127,7 @@ class BroadcastChannel:
         if message is not None:
             text = message.encode()[:MESSAGE_BYTES - 1].decode(errors="ignore").encode()
             frame[0] = 1
-            frame[1:1 + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+            frame[1:1 + len(text)] = _as_tensor(text)
         frame = frame.to(self.device)
         everyone = [torch.empty_like(frame) for _ in self.ranks]
         dist.all_gather(everyone, frame, group=self.group)
