@@ -373,41 +373,69 @@ class _Sender:
         return units
 
     def run(self, root: int | None = None, pack=None, flush=None,
-            before_release=None) -> None:
+            before_release=None, start=None) -> None:
         """Walks the buckets piece by piece, holding gathered the units the
         current piece reads and, in flight, the next piece's (a collective
         when the model is sharded, onto the shard group's rank `root`
         alone): pack(k, piece, value_of) fills bucket k, flush(k, value_of)
-        sends it; before_release() before units go."""
+        sends it; before_release(units) before those units go, and
+        before_release(None) at the end. start() runs first and returns
+        ready(); ready(), called once the first units are in flight, says
+        whether to pack and send, or only gather."""
         if self.stage3 is None:
-            return self._walk(pack, flush, before_release)
+            return self._walk(pack, flush, before_release, start)
         with self.stage3.gathers_onto(root):
-            return self._walk(pack, flush, before_release)
+            return self._walk(pack, flush, before_release, start)
 
-    def _walk(self, pack, flush, before_release) -> None:
+    def _walk(self, pack, flush, before_release, start) -> None:
         pieces = [(k, piece) for k, bucket in enumerate(self.buckets)
                   for piece in bucket.pieces]
         needs = [self.units_of([piece]) for _, piece in pieces]
-        held: set = set()
+        state = {"held": set(), "leaving": set(), "ahead": None}
+
+        def settle():
+            """The units the walk left go once the sends that read them are
+            done, and the next ones start to gather. Run once the first
+            bucket of the new units is sent (or packed), so that the wire
+            has it queued behind the last unit's while src waits for that
+            and sets up the next gather: back to back, within two units."""
+            if state["leaving"]:
+                if before_release is not None:
+                    before_release(state["leaving"])
+                for unit in sorted(state["leaving"]):
+                    self.stage3.release(unit)
+                state["leaving"] = set()
+            if state["ahead"] is not None:
+                held = state["held"]
+                following = next((n for n in needs[state["ahead"]:] if not n <= held), set())
+                for unit in sorted(following - held):
+                    self.stage3.prefetch(unit)     # gathers while these units are sent
+                state["ahead"] = None
         try:
+            ready = start() if start is not None else None
+            if self.stage3 is not None:       # the first units gather meanwhile
+                state["ahead"] = 0
+                settle()
+            if ready is not None and not ready():
+                pack = flush = None
             for i, (k, piece) in enumerate(pieces):
-                if self.stage3 is not None and not needs[i] <= held:
-                    if before_release is not None and held - needs[i]:
-                        before_release()
-                    for unit in sorted(held - needs[i]):
-                        self.stage3.release(unit)
-                    self.stage3.gather_many(sorted(needs[i] - held))
-                    held = set(needs[i])
-                    following = next((n for n in needs[i + 1:] if not n <= held), set())
-                    for unit in sorted(following - held):
-                        self.stage3.prefetch(unit)     # gathers while this unit is sent
+                if self.stage3 is not None and not needs[i] <= state["held"]:
+                    settle()
+                    self.stage3.gather_many(sorted(needs[i] - state["held"]))
+                    state["leaving"] = state["held"] - needs[i]
+                    state["held"] = set(needs[i])
+                    state["ahead"] = i + 1
                 if pack is not None:
                     pack(k, piece, self.value_of)
-                if flush is not None and (i + 1 == len(pieces) or pieces[i + 1][0] != k):
+                last = i + 1 == len(pieces) or pieces[i + 1][0] != k
+                if flush is not None and last:
                     flush(k, self.value_of)
+                # a bucket sent from a unit's memory reads it until flushed
+                if self.stage3 is not None and (last or self.buckets[k].source is None):
+                    settle()
         finally:
             if before_release is not None:
-                before_release()
+                before_release(None)
             if self.stage3 is not None:
                 self.stage3.release_all()
 
@@ -456,36 +484,46 @@ def sync_weights(model, group, *, src: int = 0, bucket_bytes: int = 256 << 20, d
     if comm is None and me != src:
         return dict(report, seconds=0.0)        # params are whole on src: nothing to gather
     channel = BroadcastChannel(group, src) if me == src else None
-    verdict = None
-    if channel is not None:
+    failure = []
+
+    def handshake():
+        """src: the manifest out; then, while the first units gather and the
+        receivers check it, the verdict's wait, which says whether to send."""
         channel.object(sender.manifest(adapters, checksum))
-        verdict = channel.verdict(None)
-    _agree_verdict(comm, verdict, "the receivers refused the manifest")
+
+        def verdict() -> bool:
+            refused = channel.verdict(None)
+            if refused is not None:
+                failure.append(f"the receivers refused the manifest: {refused}")
+            return refused is None
+        return verdict
     # only the ranks whose shards src needs gather (under hybrid sharding: src's group)
     gathers = comm is not None and src in comm.shard_ranks
     crc = [0]
     root = comm.shard_ranks.index(src) if gathers else None
     if channel is not None:
-        report["buffer_bytes"], report["copied_bytes"] = _send_buckets(sender, channel,
-                                                                        checksum, crc, root)
+        report["buffer_bytes"], report["copied_bytes"] = _send_buckets(
+            sender, channel, checksum, crc, root, handshake)
     elif gathers:
         sender.run(root)
-    if checksum:
-        verdict = None
-        if channel is not None:
-            channel.object(crc[0])
-            verdict = channel.verdict(None)
-        _agree_verdict(comm, verdict, "a receiver's checksum did not match")
+    if checksum and channel is not None and not failure:
+        channel.object(crc[0])
+        verdict = channel.verdict(None)
+        if verdict is not None:
+            failure.append(f"a receiver's checksum did not match: {verdict}")
+    # every trainer learns what src learned
+    _agree_failure(comm, failure[0] if failure else None)
     return dict(report, seconds=time.perf_counter() - started)
 
 
-def _agree_verdict(comm, verdict, what: str) -> None:
-    """Every trainer raises if the receivers reported a failure to src."""
+def _agree_failure(comm, failure: str | None) -> None:
+    """Every trainer raises if the receivers reported a failure to src. The
+    trainers gather regardless, so this is their one agreement, at the end."""
     if comm is not None:
-        verdict = next((v for v in comm.statuses(verdict, "sync_weights") if v is not None),
+        failure = next((v for v in comm.statuses(failure, "sync_weights") if v is not None),
                        None)
-    if verdict is not None:
-        raise WeightSyncError(f"sync_weights: {what}: {verdict}")
+    if failure is not None:
+        raise WeightSyncError(f"sync_weights: {failure}")
 
 
 # The two bucket buffers of each device, kept from one sync to the next: a
@@ -548,13 +586,14 @@ class _Buffers:
 
 
 def _send_buckets(sender: _Sender, channel: BroadcastChannel, checksum: bool,
-                  crc: list, root: int | None) -> tuple[int, int]:
+                  crc: list, root: int | None, start) -> tuple[int, int]:
     """Packs and broadcasts every bucket through two alternating buffers, or
     sends it from the memory that holds it (kept alive, and gathered, until
-    it has gone); returns the buffers' bytes and the bytes copied in them."""
+    it has gone), if start()'s ready() says so (see _Sender.run); returns
+    the buffers' bytes and the bytes copied in them."""
     buffers = _Buffers(channel, max((b.nbytes for b in sender.buckets
                                      if sender.copies(b, channel.device)), default=0))
-    reading = []                             # sends from memory: (work, the memory they read)
+    reading = []              # sends from memory: (work, the memory, the units it lies in)
     filled = {"bucket": -1, "end": 0}       # how far the bucket being packed is filled
     copied = [0]
 
@@ -608,17 +647,20 @@ def _send_buckets(sender: _Sender, channel: BroadcastChannel, checksum: bool,
         if k in buffers.slot:
             buffers.sent(k, work)
         else:
-            reading.append((work, flat))
+            reading.append((work, flat, sender.units_of(bucket.pieces)))
 
-    def before_release():
-        while reading:
-            reading.pop(0)[0].wait()
+    def before_release(units):
+        """Waits for the sends that read the units' memory (None: all)."""
+        for entry in list(reading):
+            if units is None or entry[2] & units:
+                reading.remove(entry)
+                entry[0].wait()
 
     try:
-        sender.run(root, pack, flush, before_release)
+        sender.run(root, pack, flush, before_release, start)
     finally:
         buffers.finish()
-        before_release()
+        before_release(None)
     return buffers.nbytes(), copied[0]
 
 

@@ -212,6 +212,57 @@ def sync_in_generation(rank, world_size):
     return out
 
 
+def _record_sends(events: list) -> None:
+    """This rank's sync steps in order: each bucket's send posted and
+    waited for, each unit's gather started, the receivers' verdict."""
+    from rlhfz.comm import channel
+    from rlhfz.stage3 import Stage3
+    posted, waited = channel.BroadcastChannel.bytes, channel._Sent.wait
+    verdict, prefetch = channel.BroadcastChannel.verdict, Stage3.prefetch
+
+    def bytes_(self, flat, what):
+        events.append(("post", int(what.split()[-1])))
+        sent = posted(self, flat, what)
+        sent.bucket = events[-1][1]
+        return sent
+
+    def wait(self):
+        waited(self)
+        events.append(("done", getattr(self, "bucket", None)))
+
+    def verdict_(self, message):
+        events.append(("verdict", None))
+        return verdict(self, message)
+
+    def prefetch_(self, index):
+        events.append(("gather", index))
+        return prefetch(self, index)
+    channel.BroadcastChannel.bytes, channel._Sent.wait = bytes_, wait
+    channel.BroadcastChannel.verdict, Stage3.prefetch = verdict_, prefetch_
+
+
+def sync_back_to_back(rank, world_size):
+    """A stage-3 sync from units' memory, in ranges of it: src's steps
+    in order, its peak of gathered bytes, and what the receivers got."""
+    train, sync = groups()
+    if rank not in TRAINERS:
+        receiver = tiny_lm("gpt2", seed=rank)
+        rlhfz.receive_weights(receiver, sync, src=SRC)
+        return {"whole": {n: t.detach().clone() for n, t in receiver.named_parameters()}}
+    model, opt = _trained(train)
+    from rlhfz.weight_sync import _Sender
+    sender = _Sender(model, "merged", None, 1 << 14)      # each block in ranges of it
+    # (sent from the memory that holds it, the units it lies in), bucket by bucket
+    sources = [(b.source is not None, sorted(sender.units_of(b.pieces))) for b in sender.buckets]
+    units = sorted(opt.stage3.unit_bytes(i) for i in range(len(opt.stage3.units)))
+    events = []
+    _record_sends(events)
+    opt.stage3.peak_bytes = opt.stage3.gathered_bytes()
+    rlhfz.sync_weights(model, sync if rank == SRC else None, src=SRC, bucket_bytes=1 << 14)
+    return {"events": events, "sources": sources, "peak": opt.stage3.peak_bytes,
+            "two_units": sum(units[-2:]), "whole": _whole(model)}
+
+
 def laid_back_to_front(model):
     """The model's params moved into one tensor, the last param first."""
     params = list(model.parameters())

@@ -222,6 +222,30 @@ def test_a_sync_inside_generation_leaves_both_trainers_alike():
             torch.testing.assert_close(logits, policy["logits"][0], rtol=1e-5, atol=1e-5)
 
 
+def test_stage3_sends_queue_back_to_back_within_two_units():
+    """src posts each unit's send before it waits for the last unit's, so the
+    wire never waits on src between units; the first units gather while the
+    receivers check the manifest; and no more than two units are whole."""
+    results = run_ranks(workers.sync_back_to_back, 4)
+    sender = results[workers.SRC]
+    for rank in workers.RECEIVERS:
+        assert results[rank]["whole"].keys() == sender["whole"].keys()
+        for name, value in sender["whole"].items():
+            assert torch.equal(results[rank]["whole"][name], value), name
+    events, sources = sender["events"], sender["sources"]
+    at = {}
+    for i, event in enumerate(events):
+        at.setdefault(event, i)                 # where each first happened
+    assert at[("gather", 0)] < at[("verdict", None)]
+    following = [k for k in range(len(sources) - 1)      # unit to unit, from memory
+                 if sources[k][0] and sources[k + 1][0] and sources[k][1] != sources[k + 1][1]]
+    assert len(following) >= 3, sources
+    for k in following:
+        assert at[("post", k + 1)] < at[("done", k)], (k, events)
+    assert 0 < sender["peak"] <= sender["two_units"]
+    assert results[1]["events"] and all(kind == "gather" for kind, _ in results[1]["events"])
+
+
 def test_whole_params_go_from_the_memory_that_holds_them():
     results = run_ranks(workers.sync_whole_params, 4)
     sender = results[workers.SRC]
