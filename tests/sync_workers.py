@@ -101,6 +101,40 @@ def sync_refused(rank, world_size):
     return {"errors": errors, "untouched": all(torch.equal(before[n], after[n]) for n in after)}
 
 
+def sync_corrupted(rank, world_size):
+    """A sync with a checksum where receiver 3's copy is changed after it
+    lands (as a bit flipped in flight would): every rank raises. Then one
+    more sync, which finds every rank back in step and fixes the copy."""
+    os.environ["RLHFZ_COLLECTIVE_TIMEOUT"] = "20"
+    train, sync = groups()
+    errors = []
+    if rank in TRAINERS:
+        model, _ = _trained(train, steps=1)
+        for _ in range(2):
+            try:
+                rlhfz.sync_weights(model, sync if rank == SRC else None, src=SRC,
+                                   bucket_bytes=1 << 13, checksum=True)
+            except rlhfz.WeightSyncError as error:
+                errors.append(str(error))
+        return {"errors": errors, "whole": _whole(model)}
+    import rlhfz.weight_sync as weight_sync
+    receive = weight_sync._receive_buckets
+
+    def flipped(buckets, specs, targets, channel):
+        receive(buckets, specs, targets, channel)
+        with torch.no_grad():
+            targets[-1].view(-1)[0] += 1
+    receiver = tiny_lm("gpt2", seed=rank)
+    for corrupt in (rank == 3, False):
+        weight_sync._receive_buckets = flipped if corrupt else receive
+        try:
+            rlhfz.receive_weights(receiver, sync, src=SRC)
+        except rlhfz.WeightSyncError as error:
+            errors.append(str(error))
+    return {"errors": errors,
+            "whole": {n: t.detach().clone() for n, t in receiver.named_parameters()}}
+
+
 def _lora_model(seed):
     from peft import LoraConfig, get_peft_model
     torch.manual_seed(seed)

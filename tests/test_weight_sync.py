@@ -174,6 +174,20 @@ def test_a_manifest_that_does_not_fit_fails_everywhere_and_writes_nothing():
     assert results[2]["untouched"] and results[3]["untouched"]
 
 
+def test_a_checksum_mismatch_fails_everywhere_and_the_next_sync_mends_it():
+    results = run_ranks(workers.sync_corrupted, 4)
+    for rank in workers.TRAINERS:
+        [error] = results[rank]["errors"]
+        assert "a receiver's checksum did not match" in error and "rank 3" in error, error
+    for rank in workers.RECEIVERS:
+        [error] = results[rank]["errors"]
+        assert "checksum mismatch" in error and "rank 3" in error and "CRC-32" in error, error
+    sent = results[workers.SRC]["whole"]
+    for rank in workers.RECEIVERS:
+        got = results[rank]["whole"]
+        assert all(torch.equal(got[name], value) for name, value in sent.items()), rank
+
+
 def test_lora_syncs_merged_and_adapters_alone():
     results = run_ranks(workers.sync_lora, 4)
     for rank in (2, 3):
