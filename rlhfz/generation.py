@@ -13,6 +13,14 @@ On any exit, an exception included, the hooks and shards are exactly as
 before and the gathered memory is released. Contexts nest. On a model whose
 optimizer is not at stage 3 across ranks it does nothing.
 
+A sharded model's forward gathers, so every rank must run the same number
+of forwards: transformers' generate does so for models it knows are sharded
+(synced_gpus), and rlhfz's sharded models are marked for it
+(synced_generation); while every unit is whole, they are not, since a
+forward then gathers nothing. Values written into whole params inside the
+context (model.load_state_dict) are kept: each rank writes its own part
+into its shards as the units are released.
+
 iter_full_params(model, bucket_bytes) yields (name, whole tensor) for every
 param, gathering a few units at a time, for syncing weights into an
 inference engine without the whole model in memory at once.
@@ -27,6 +35,18 @@ import contextlib
 import torch
 
 _ATTRIBUTE = "_rlhfz_stage3"
+# What transformers' generate reads (is_fsdp_managed_module) to keep every
+# rank stepping until all are done (synced_gpus), as it does under FSDP and
+# DeepSpeed ZeRO-3: a sharded forward gathers, so a rank that stopped early
+# would leave the others' gathers unmatched.
+_SYNCED_GENERATION = "_is_fsdp_managed_module"
+
+
+def synced_generation(model, on: bool) -> None:
+    """Marks (or unmarks) a sharded model's modules for transformers'
+    synced generation."""
+    for module in model.modules():
+        setattr(module, _SYNCED_GENERATION, on)
 
 
 def unwrap_model(model, attribute: str = _ATTRIBUTE):
@@ -73,12 +93,15 @@ def gather_for_generation(model, enabled: bool = True, budget_bytes: int | None 
                       {"mode": "full" if full else "budget" if budget_bytes is not None
                        else "unit by unit", "budget_bytes": budget_bytes})
     saved_keep, saved_limit = set(stage3.keep), stage3.limit
+    root = stage3.root
+    synced = getattr(root, _SYNCED_GENERATION, False)
     held = []
     try:
         stage3.limit = None if full else stage3.limits(budget_bytes)
         if full:
             stage3.hold_all()
             held.append(True)
+            synced_generation(root, False)     # whole: a forward gathers nothing
         elif budget_bytes is not None:
             stage3.keep |= stage3.units_within(budget_bytes)
             stage3.gather_many(sorted(stage3.keep - saved_keep))
@@ -86,6 +109,7 @@ def gather_for_generation(model, enabled: bool = True, budget_bytes: int | None 
     finally:
         if held:
             stage3.unhold_all()
+            synced_generation(root, synced)
         stage3.keep, stage3.limit = saved_keep, saved_limit
         stage3.release_all()
 

@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 from . import state_dict as translate
 from .comm import communicator_for
 from .engine import ShardEngine, backend_for, host_buffer
+from .optim_edits import StateEntries, check_group_params
 from .optim_options import (check_engine_options, check_group, check_hparams, check_params,
                             check_state_dtype, check_unsupported, common_device,
                             group_hparams, group_storage)
@@ -54,10 +55,13 @@ def _state_keeper(optimizer_ref):
         optimizer = optimizer_ref()
         if optimizer is None:
             return
+        param = bucket.params[index]
         if entry is None:
-            optimizer.state.pop(bucket.params[index], None)
+            optimizer.state.pop(param, None)
+            optimizer.entries.drop(param)
         else:
-            optimizer.state[bucket.params[index]] = entry
+            optimizer.state[param] = entry
+            optimizer.entries.give(param, entry)
     return keep
 
 
@@ -163,6 +167,8 @@ class ZeroAdamW(Optimizer):
         self.param_persistence_threshold = param_persistence_threshold
         self.skipped_steps = 0
         self._built_storage: list[tuple] = []   # each group's (state_dtype, min_8bit_size)
+        self._built_params: list[tuple] = []    # each group's params, as its buckets hold them
+        self.entries = StateEntries()           # what optimizer.state was given
         # offload="cpu": this fraction of each shard's optimizer state lives
         # and steps on the host (pinned per pin_memory, like offload()).
         # Nothing the engine keeps refers back to the optimizer: with no cycle,
@@ -332,6 +338,7 @@ class ZeroAdamW(Optimizer):
         group["params"] = params
         super().add_param_group(group)
         self._built_storage.append(group_storage(self.param_groups[-1]))
+        self._built_params.append(tuple(self.param_groups[-1]["params"]))
         param_group.clear()
         param_group.update(self.param_groups[-1])
         self.param_groups[-1] = param_group
@@ -400,14 +407,22 @@ class ZeroAdamW(Optimizer):
         norm_type, max_norm = float(norm_type), float(max_norm)
         plans = self.engine.plan("clip_grad_norm_")
         total = self.engine.norm(plans, norm_type)
+        # torch sums |g|**p in fp32 (also for 16-bit grads): past fp32's
+        # range its norm is inf, which zeroes the grads or raises below
+        if math.isfinite(norm_type) and total > 0 and \
+                norm_type * math.log(total) > math.log(torch.finfo(torch.float32).max):
+            total = math.inf
         if error_if_nonfinite and not math.isfinite(total):
             raise RuntimeError(f"The total norm of order {norm_type} for gradients from "
                                "`parameters` is "
                                "non-finite, so it cannot be clipped. To disable this error and "
                                "scale the gradients by the non-finite norm anyway, set "
                                "`error_if_nonfinite=False`")
-        self.engine.clip(plans, total, max_norm)
-        return torch.tensor(total, dtype=torch.float32, device=self.device)
+        # torch returns the norm in the grads' (promoted) dtype and clips in it
+        dtypes = {p.bucket.dtype for p in plans if any(p.present)}
+        dtype = functools.reduce(torch.promote_types, dtypes) if dtypes else torch.float32
+        self.engine.clip(plans, total, max_norm, dtype)
+        return torch.tensor(total, dtype=dtype, device=self.device)
 
     # torch.amp.GradScaler hands itself to step() (grad_scaler=), because
     # only the optimizer knows where sharded grads are: it unscales them
@@ -457,6 +472,7 @@ class ZeroAdamW(Optimizer):
         hparams = [group_hparams(group) for group in self.param_groups]
         self._check_storage_unchanged()
         self._follow_moved_params()
+        self._take_state_edits()
         plans = self.engine.plan()
         if grad_scaler is not None and not self._scaler_unscale(plans, grad_scaler):
             self.skipped_steps += 1           # the scaler backs off; nothing changes
@@ -474,6 +490,12 @@ class ZeroAdamW(Optimizer):
         self.engine.step(plans, hparams)
         return loss
 
+    def _take_state_edits(self) -> None:
+        """optimizer.state and param_groups as a user left them, carried into
+        the buckets or refused (optim_edits.py)."""
+        check_group_params(self.param_groups, self._built_params)
+        self.entries.take(self.state, self.engine)
+
     def _describe_param(self, bucket, index: int) -> str:
         p = bucket.params[index]
         group = self.param_groups[bucket.group_index]["params"]
@@ -487,6 +509,7 @@ class ZeroAdamW(Optimizer):
         state_dtype (so torch's AdamW loads it). Across processes this is a
         collective (every rank calls it, and every rank gets the whole dict)."""
         self.synchronize()
+        self._take_state_edits()
         if self.comm is None and all(b.state_dtype == "fp32" for b in self.engine.buckets):
             return super().state_dict()
         if self.comm is not None:
@@ -512,6 +535,7 @@ class ZeroAdamW(Optimizer):
         elements sit, for one file per rank. Not a collective. Any world size
         reads a full set back with load_sharded_state_dict."""
         self.synchronize()
+        self._take_state_edits()
         groups = (super().state_dict()["param_groups"] if self.comm is None
                   else translate.packed_groups(self.param_groups))
         return translate.sharded_state(self.engine, self.param_groups, groups)
@@ -541,12 +565,14 @@ class ZeroAdamW(Optimizer):
         if self.comm is not None:
             self.comm.agree("ZeroAdamW.load_state_dict",
                             {"buckets": [len(b.params) for b in self.engine.buckets]})
+        options = translate.copied_options(state_dict)
         storage = translate.storage_after_load(self.param_groups, state_dict)
         if storage != self._built_storage:
             self._reform(storage)
             index_to_param = translate.check_state_dict(self.engine, self.param_groups,
                                                         state_dict)
-        translate.load_checked(self.engine, self.param_groups, state_dict, index_to_param)
+        translate.load_checked(self.engine, self.param_groups, state_dict, index_to_param,
+                               options)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 

@@ -24,7 +24,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .comm import communicator_for
 from .engine import DTYPE_NAMES, FrozenBucket, ShardEngine, backend_for
-from .generation import unwrap_model
+from .generation import synced_generation, unwrap_model
 from .stage3 import Stage3, assign_params
 from .state_dict_hooks import install_hooks
 
@@ -63,6 +63,8 @@ class ShardedModel:
             self.state_dict_control = comm.control.sibling(
                 state_dict_timeout(), "RLHFZ_STATE_DICT_TIMEOUT")
             install_hooks(self)
+            synced_generation(model, True)
+            _refuse_conversions(model, weakref.ref(self))
             if hasattr(model, "resize_token_embeddings"):
                 model.resize_token_embeddings = _refuse_resize
 
@@ -149,6 +151,37 @@ class ShardedModel:
             return {}
         return {id(p): (bucket, i) for _, buckets in self.stage3.units for bucket in buckets
                 for i, p in enumerate(bucket.params)}
+
+
+def _refuse_conversions(model: torch.nn.Module, record_ref) -> None:
+    """model.half(), .to(dtype or device), .cuda() on a sharded model are
+    refused when asked for, before any module changes: the values live in
+    shards, which such a conversion would never reach (a cast there and
+    back would leave torch's values rounded and rlhfz's not). Conversions
+    that change nothing (model.to(its own device), share_memory()) run."""
+    for module in model.modules():
+        module._apply = _checked_apply(weakref.ref(module), record_ref)
+
+
+def _checked_apply(module_ref, record_ref):
+    def _apply(fn, *args, **kwargs):
+        module, record = module_ref(), record_ref()
+        if record is not None and record.stage3 is not None:
+            slots = record.sharded_slots()
+            seen = set()
+            for p in module.parameters():
+                if id(p) not in slots or (p.dtype, p.device) in seen:
+                    continue
+                seen.add((p.dtype, p.device))
+                probe = fn(torch.empty(0, dtype=p.dtype, device=p.device))
+                if probe.dtype != p.dtype or probe.device != p.device:
+                    raise RuntimeError(
+                        f"the model is sharded (stage 3): its {p.dtype} params on {p.device} "
+                        f"live in shards that a conversion to {probe.dtype} on {probe.device} "
+                        f"(model.to() / .half() / .cuda()) would never reach: cast or move "
+                        f"the model before shard_model or ZeroAdamW(stage=3)")
+        return type(module)._apply(module, fn, *args, **kwargs)
+    return _apply
 
 
 def _refuse_resize(*args, **kwargs):

@@ -192,6 +192,9 @@ def check_state_entry(key, entry, shape: tuple) -> None:
         if not value.is_floating_point():
             raise ValueError(f"state[{key!r}][{name!r}] must be floating point, "
                              f"not {value.dtype}")
+        if value.is_meta or value.layout != torch.strided:
+            raise ValueError(f"state[{key!r}][{name!r}] holds no values to load (a "
+                             f"{'meta' if value.is_meta else str(value.layout)} tensor)")
 
 
 def storage_after_load(param_groups, state_dict) -> list[tuple]:
@@ -202,24 +205,27 @@ def storage_after_load(param_groups, state_dict) -> list[tuple]:
             for group, saved in zip(param_groups, state_dict["param_groups"])]
 
 
-def load_checked(engine, param_groups, state_dict, index_to_param) -> None:
-    """Writes a state dict that check_state_dict passed: group options (saved
-    param_names too, as torch keeps them) and each rank's part of the state."""
-    for saved, group in zip(state_dict["param_groups"], param_groups):
-        for k, v in saved.items():
-            if k != "params":
-                group[k] = copy.deepcopy(v)
+def copied_options(state_dict) -> list[dict]:
+    """Each saved group's options (param_names too, as torch keeps them),
+    copied: taken before anything is written, so that one that cannot be
+    copied raises with nothing changed."""
+    return [{k: copy.deepcopy(v) for k, v in saved.items() if k != "params"}
+            for saved in state_dict["param_groups"]]
+
+
+def load_checked(engine, param_groups, state_dict, index_to_param, options=None) -> None:
+    """Writes a state dict that check_state_dict passed: group options
+    (copied_options) and each rank's part of the state."""
+    options = copied_options(state_dict) if options is None else options
+    for copied, group in zip(options, param_groups):
+        group.update(copied)
     loaded = {id(index_to_param[k]): entry for k, entry in state_dict["state"].items()}
     for bucket in engine.buckets:
         state = bucket.state
         for i, p in enumerate(bucket.params):
             entry = loaded.get(id(p))
             if entry is None:
-                a, b = bucket.shard.local[i]
-                zeros = torch.zeros(b - a)
-                state.write("exp_avg", i, zeros)
-                state.write("exp_avg_sq", i, zeros)
-                state.steps[i] = 0.0
+                state.reset(i)
                 if bucket.has_master:
                     state.write("master", i, bucket.param_shard_part(i).float())
                 engine.unregister(bucket, i)

@@ -1,10 +1,16 @@
-"""model.state_dict() on a sharded model: real tensors, not placeholders.
+"""model.state_dict() and load_state_dict() on a sharded model: real
+tensors, not placeholders.
 
 A stage-3 param is an empty placeholder between uses, so torch's own
 state_dict would hand out placeholders. The hooks installed here, on every
 module that holds sharded params, gather the real tensors instead, unit by
 unit, which makes model.state_dict() a collective that every rank calls.
 With keep_vars=True the params themselves come back, as torch gives them.
+
+model.load_state_dict(whole tensors) writes each rank's part of every
+sharded param into its shards (no collective: every rank loads its own
+copy of the dict, as every rank of a DDP model does); torch's own copy then
+meets the placeholder, which it leaves as it is.
 """
 from __future__ import annotations
 
@@ -49,6 +55,7 @@ def install_hooks(record) -> None:
                                           for p in module.parameters(recurse=False)):
             module.register_state_dict_pre_hook(_enter)
             module.register_state_dict_post_hook(_gather_placeholders(ref))
+            module.register_load_state_dict_pre_hook(_load_into_shards(ref))
 
 
 def _enter(module, prefix, keep_vars) -> None:
@@ -90,4 +97,42 @@ def _gather_placeholders(ref):
                                  "model.state_dict")
         for name, p in pending.items():
             state_dict[name] = values[id(p)].to(p.device)
+    return hook
+
+
+def _load_into_shards(ref):
+    def hook(module, state_dict, prefix, local_metadata, strict, missing_keys,
+             unexpected_keys, error_msgs) -> None:
+        record = ref()
+        if record is None or record.stage3 is None:
+            return
+        slots = record.sharded_slots()
+        loads = {}
+        for name, p in module.named_parameters(recurse=False):
+            key = prefix + name
+            value = state_dict.get(key)
+            if value is None or id(p) not in slots:
+                continue
+            bucket, index = slots[id(p)]
+            if bucket.gathered is not None:
+                continue             # whole now: torch copies into it, release keeps it
+            whole = torch.Size(bucket.layout.slots[index].shape)
+            shape = value.shape if isinstance(value, torch.Tensor) else None
+            if local_metadata.get("assign_to_params_buffers") and id(p) in record.trained:
+                error_msgs.append(
+                    f"{key}: load_state_dict(assign=True) would give the module a new, whole "
+                    f"Parameter that no optimizer trains (torch's AdamW would not train it "
+                    f"either), while the sharded one went on training unused: load without "
+                    f"assign=True, which writes the values into the shards")
+            elif shape != whole:
+                error_msgs.append(f"size mismatch for {key}: copying a param with shape "
+                                  f"{shape} from checkpoint, the shape in current model is "
+                                  f"{whole}.")
+            else:
+                loads.setdefault(id(bucket), (bucket, []))[1].append((index, value))
+            # torch copies the placeholder onto itself (with assign=True it sets
+            # the same Parameter again), so its own size check passes
+            state_dict[key] = p
+        for bucket, values in loads.values():
+            bucket.load_whole(values)
     return hook

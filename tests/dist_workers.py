@@ -200,6 +200,45 @@ def bf16_parity(rank, world_size, steps, stage):
     return {"params": [p.detach().clone() for p in params], "state_dict": opt.state_dict()}
 
 
+def bf16_reference(steps, edit_at=None):
+    """bf16_parity's (and bf16_edits') run on fp32 params in one process:
+    torch's AdamW on the values the masters should hold."""
+    torch.manual_seed(0)
+    shapes = [(37, 19), (19,), (5, 3, 7), (1,)]
+    params = [torch.nn.Parameter(torch.randn(s).bfloat16().float()) for s in shapes]
+    opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        if step == edit_at:
+            with torch.no_grad():
+                params[0][3:30].fill_(0.5)
+            opt.state.clear()
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).bfloat16().float()
+        opt.step()
+    return params
+
+
+def bf16_edits(rank, world_size, steps, stage, edit_at):
+    """bf16_parity, with a param written in place and the optimizer's state
+    cleared on every rank at step edit_at."""
+    torch.manual_seed(0)
+    shapes = [(37, 19), (19,), (5, 3, 7), (1,)]
+    params = [torch.nn.Parameter(torch.randn(s).bfloat16()) for s in shapes]
+    opt = rlhfz.ZeroAdamW(params, lr=1e-2, weight_decay=0.1, stage=stage)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        if step == edit_at:
+            with torch.no_grad():
+                params[0][3:30].fill_(0.5)     # crosses the shard boundary
+            opt.state.clear()
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).bfloat16()
+        opt.step()
+        opt.zero_grad()
+    return {"params": [p.detach().clone() for p in params], "state_dict": opt.state_dict()}
+
+
 def save_sharded_then_continue(rank, world_size, directory, steps_before, steps_after, stage):
     model = make_model()
     opt = rlhfz.ZeroAdamW(groups(model), lr=1e-3, stage=stage)

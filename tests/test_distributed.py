@@ -175,15 +175,7 @@ def test_ddp_wrapped_model_with_sharding_raises():
 @pytest.mark.parametrize("stage", [1, 2])
 def test_bf16_params_with_fp32_master_shards(stage):
     results = run_ranks(workers.bf16_parity, 2, 30, stage)
-    torch.manual_seed(0)
-    shapes = [(37, 19), (19,), (5, 3, 7), (1,)]
-    ref_params = [torch.nn.Parameter(torch.randn(s).bfloat16().float()) for s in shapes]
-    ref = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.1)
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(30):
-        for q in ref_params:
-            q.grad = torch.randn(q.shape, generator=gen).bfloat16().float()
-        ref.step()
+    ref_params = workers.bf16_reference(30)
     for result in results:
         state = result["state_dict"]["state"]
         for i, (p, q) in enumerate(zip(result["params"], ref_params)):

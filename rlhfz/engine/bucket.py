@@ -94,6 +94,8 @@ class Bucket:
         self.reduced_version = None    # flat_grad's version when last reduced (stage 1)
         self.host_param_fence = None   # see fence_host_param
         self._hook_handles = []
+        self.param_versions = None     # see adopt_written
+        self.gathered_versions = None  # stage 3: see release
         self.trainable = sum(1 for p in params if p.requires_grad)
 
     # ---- views -------------------------------------------------------------------
@@ -206,6 +208,13 @@ class Bucket:
                 return
             self.param_shard_part(index).copy_(self.shard.part_of(index, full.reshape(-1)))
 
+    def load_whole(self, values: list[tuple[int, torch.Tensor]]) -> None:
+        """Sets params from whole, param-shaped tensors ((index, value)):
+        this rank's part of each under stage 3, the master following."""
+        for index, value in values:
+            self.write_param(index, value.detach())
+        self._adopt_param_values([index for index, _ in values])
+
     def sync_master(self) -> None:
         """fp32 master weights (backend and host parts) from the params, after
         the params were set from outside."""
@@ -246,6 +255,36 @@ class Bucket:
         if changed:
             self._adopt_param_values(changed)
         self._reattach_grad_views()
+
+    def adopt_written(self) -> None:
+        """Values written into params in place since the last look
+        (model.load_state_dict(), p.copy_(), an EMA, a re-init: torch counts
+        each in the param's version) reach the copy the optimizer steps from,
+        where it keeps its own (a 16-bit param's fp32 master, the host part
+        under offload="cpu"), so the next step starts from them, as torch's
+        AdamW does. Elements the write left as they were keep their master's
+        precision. A write through .data, numpy or DLPack counts in no
+        version: write through the param itself."""
+        if self.param_versions is None or not (self.has_master or
+                                               self.flat_host_master is not None):
+            return
+        versions = [p._version for p in self.params]
+        if versions == self.param_versions:
+            return
+        changed = [i for i, (now, seen) in enumerate(zip(versions, self.param_versions))
+                   if now != seen]
+        self.param_versions = versions
+        if not self.has_master:
+            self.pull_host_part(master=True)     # fp32 params are their own master
+            return
+        with torch.no_grad():
+            for i in changed:
+                held = self.state.read("master", i)
+                written = self.param_shard_part(i).cpu()
+                kept = held.to(written.dtype) == written
+                if not bool(kept.all()):
+                    self.state.write("master", i, torch.where(kept, held, written.float()))
+        self.pull_host_part(master=False)
 
     def _adopt_param_values(self, changed: list[int]) -> None:
         """New values written into params' slots: the fp32 master follows
@@ -320,7 +359,7 @@ class Bucket:
                     self.param_shard_part(i).copy_(
                         self.shard.part_of(i, p.detach().reshape(-1)))
                     p.grad = None
-                    p.data = self.placeholder()
+                self.to_placeholders()
             else:
                 grad_views = self.grad_views or [None] * len(self.params)
                 for p, view, grad_view in zip(self.params, self.param_views, grad_views):
@@ -334,6 +373,8 @@ class Bucket:
             self.backend.cast_(self.master_kview, self.storage.view(
                 "param", self.param_base, self.shard.split))
         self.pull_host_part()
+        if not self.sharded_params:
+            self.param_versions = [p._version for p in self.params]
         self_ref = weakref.ref(self)
         for i, p in enumerate(self.params):
             if p.requires_grad:
@@ -342,6 +383,36 @@ class Bucket:
 
     def placeholder(self) -> torch.Tensor:
         return torch.empty(0, dtype=self.dtype, device=self.backend.device)
+
+    def to_placeholders(self) -> None:
+        """Stage 3: every param an empty placeholder."""
+        with torch.no_grad():
+            for p in self.params:
+                p.data = self.placeholder()
+
+    def take_sharded_swaps(self) -> None:
+        """Stage 3, while sharded: a param given a whole tensor behind rlhfz
+        (`p.data = t`) has its values taken into the shards, as a swap is at
+        stages 0-2, and is a placeholder again. Anything else than a whole
+        tensor of the param's shape, dtype and device raises. (A cast of the
+        sharded model is refused when it is asked for: sharding.py.)"""
+        if not self.sharded_params or self.gathered is not None:
+            return
+        swapped = [i for i, p in enumerate(self.params) if p.numel()]
+        if not swapped:
+            return
+        for i in swapped:
+            p, slot = self.params[i], self.layout.slots[i]
+            if tuple(p.shape) != tuple(slot.shape) or p.dtype != self.dtype or \
+                    p.device != self.backend.device:
+                raise RuntimeError(
+                    f"a sharded param of shape {tuple(slot.shape)} ({self.dtype} on "
+                    f"{self.backend.device}) was given a {p.dtype} tensor of shape "
+                    f"{tuple(p.shape)} on {p.device} outside a forward (p.data = t): its "
+                    f"values live in shards. Assign a whole tensor of the param's shape, "
+                    f"dtype and device, or use load_pretrained / load_checkpoint")
+        self.load_whole([(i, self.params[i]) for i in swapped])
+        self.to_placeholders()
 
     def detach_hooks(self) -> None:
         for handle in self._hook_handles:
@@ -358,6 +429,7 @@ class Bucket:
         as gathered, so that every rank decides alike what to gather next."""
         if self.gathered is not None:
             return None
+        self.take_sharded_swaps()
         for p in self.params:
             if p.dtype != self.dtype or p.device != self.backend.device:
                 raise RuntimeError(
@@ -383,16 +455,23 @@ class Bucket:
         with torch.no_grad():
             for p, slot in zip(self.params, self.layout.slots):
                 p.data = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        self.gathered_versions = [p._version for p in self.params]
         return work
 
     def release(self) -> None:
-        """Back to placeholders; the gathered memory goes back at once."""
+        """Back to placeholders; the gathered memory goes back at once.
+        Values written into a whole param meanwhile (inside
+        gather_for_generation: model.load_state_dict(), p.copy_()) go into
+        this rank's shard first, so they are kept as torch keeps them; every
+        rank writes its own part, so the write is made on every rank."""
         if self.gathered is None:
             return
         if self.gathered[1] is not None:
-            with torch.no_grad():
-                for p in self.params:
-                    p.data = self.placeholder()
+            written = [i for i, (p, seen) in enumerate(zip(self.params, self.gathered_versions))
+                       if p._version != seen]
+            if written:
+                self.load_whole([(i, self.params[i]) for i in written])
+            self.to_placeholders()
         self.gathered = None
 
     def gathered_bytes(self) -> int:

@@ -180,6 +180,17 @@ class ShardEngine:
                                f"{', '.join(sorted(self.offloaded))} are offloaded: call "
                                f"reload() first")
 
+    def adopt_written(self) -> None:
+        """Params whose memory or values changed outside rlhfz since the last
+        look: the optimizer's copies follow (Bucket.reattach_moved,
+        Bucket.adopt_written)."""
+        for bucket in self.buckets:
+            bucket.reattach_moved()
+            bucket.adopt_written()
+            bucket.take_sharded_swaps()
+            if bucket.state is not None and bucket.state.stitched:
+                bucket.state.take_stitched_writes()
+
     def moved_to(self) -> torch.device | None:
         """The device that every param was moved to outside rlhfz
         (model.to(device) after the optimizer was built), or None: none
@@ -207,8 +218,7 @@ class ShardEngine:
     def plan(self, call: str = "step") -> list[BucketPlan]:
         """Every bucket's plan, with grads reduced across ranks."""
         self.require_home(call)
-        for bucket in self.buckets:
-            bucket.reattach_moved()
+        self.adopt_written()
         if self.reducer is not None:
             self.reducer.finish()
             presence = [self.reducer.arrived(bucket) for bucket in self.buckets]
@@ -313,15 +323,19 @@ class ShardEngine:
             local = self.comm.all_reduce_sum_host(local)
         return local ** (1.0 / norm_type)
 
-    def clip(self, plans, total: float, max_norm: float) -> None:
-        """Scales grads of global 2-norm `total` to at most max_norm."""
-        coef = max_norm / (total + 1e-6)
+    def clip(self, plans, total: float, max_norm: float, dtype: torch.dtype) -> None:
+        """Scales grads of global norm `total` as torch.nn.utils.clip_grad_norm_
+        does: by max_norm / (total + 1e-6), at most 1, computed in the norm's
+        dtype (the grads' promoted one). A NaN norm makes every grad NaN and
+        an infinite one zeroes them (an Inf grad becomes NaN), as in torch."""
+        norm = torch.tensor(total, dtype=dtype)
+        coef = float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
         if coef < 1.0 and self.reducer is not None and math.isfinite(total):
             # Only rlhfz reads these grads (param.grad is None): the step
             # multiplies by coef as it reads them, which saves a pass that
             # reads and writes every grad.
             self._pending_clip = (plans, coef)
-        elif coef < 1.0:
+        elif not coef >= 1.0:
             self.scale_grads(plans, coef)
         # The C kernels leave torch's version counters alone, so these record
         # the grads exactly as checked: an unchanged step skips its own check.

@@ -44,6 +44,8 @@ class FrozenBucket(Bucket):
         self.host_param_fence = None
         self.reduced_version = None
         self._hook_handles = []
+        self.param_versions = None
+        self.gathered_versions = None
         self.storage = FlatStorage({"param": (self.shard.numel, self.dtype_name)},
                                    self.backend.buffer,
                                    host_alloc or (lambda nbytes: HostBackend().buffer(nbytes)))
@@ -78,7 +80,7 @@ class FrozenBucket(Bucket):
                 if self.has_values:
                     self.param_shard_part(i).copy_(
                         self.shard.part_of(i, p.detach().reshape(-1)))
-                p.data = self.placeholder()
+        self.to_placeholders()
 
     def sync_master(self) -> None:
         return None

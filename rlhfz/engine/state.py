@@ -38,12 +38,14 @@ class ShardState:
         self.parts: dict[str, tuple] = {}     # name -> (backend part, host part or None)
         self.views: dict[str, list | None] = {}
         self.stitched: list[int] = []
+        self._stitched_seen: dict[tuple[str, int], int] = {}   # their versions as refreshed
 
     def build(self, parts: dict[str, tuple]) -> dict[str, list | None]:
         """Per-param views over the flat parts (name -> (backend, host));
         returns them by name, for the storage's registry."""
         self.parts = parts
         self.stitched = []
+        self._stitched_seen = {}
         views = {}
         for name in self.names:
             device_part, host_part = parts[name]
@@ -119,6 +121,7 @@ class ShardState:
             views = self.views.get(name)
             if views is not None and index in self.stitched:
                 views[index].view(-1).copy_(values)
+                self._stitched_seen[name, index] = views[index]._version
 
     def write(self, name: str, index: int, values: torch.Tensor) -> None:
         """Writes this rank's part of one param's state (values: the shard's
@@ -137,6 +140,17 @@ class ShardState:
         if scales is not None:
             self.write_stored(SCALES[name], index, scales)
 
+    def write_step(self, index: int, step: float) -> None:
+        self.steps[index] = step
+
+    def reset(self, index: int) -> None:
+        """A param's state as before its first step: zero moments, step 0."""
+        a, b = self.shard.local[index]
+        zeros = torch.zeros(b - a)
+        self.write("exp_avg", index, zeros)
+        self.write("exp_avg_sq", index, zeros)
+        self.write_step(index, 0.0)
+
     def refresh_stitched(self) -> None:
         """Copies the current state of the params that cross the split into
         their stitched state tensors (after every step, and before saving)."""
@@ -146,6 +160,17 @@ class ShardState:
                     views = self.views.get(name)
                     if views is not None:
                         views[index].view(-1).copy_(self.read_stored(name, index))
+                        self._stitched_seen[name, index] = views[index]._version
+
+    def take_stitched_writes(self) -> None:
+        """A stitched state tensor written in place since its last refresh
+        (opt.state[p]["exp_avg"].zero_()): the state it copies takes the
+        values, as the views of every other param do by being the state."""
+        for (name, index), seen in list(self._stitched_seen.items()):
+            view = self.views[name][index]
+            if view._version != seen:
+                self.write_stored(name, index, view.detach().reshape(-1).clone())
+                self._stitched_seen[name, index] = view._version
 
     def full_shard(self, name: str) -> torch.Tensor:
         """This rank's whole shard of a state, fp32 values on the backend's
