@@ -84,7 +84,8 @@ def _copy_all(pairs, backend, non_blocking: bool):
 
 
 def _report_held(olds, engine) -> None:
-    """Old buffers that someone outside still holds a view of."""
+    """Old buffers that someone outside still holds a view of ((memory_report's
+    kind, buffer))."""
     held = [(kind, buffer) for kind, buffer in olds if buffer.exports > 0]
     if not held:
         return
@@ -134,7 +135,7 @@ def move_buckets(engine, kinds, allocate, to_home: bool = False, to: str = "cpu"
             touched.append(bucket)
     for bucket in touched:
         bucket.rebind()
-    olds = [(kind, old) for _, _, kind, old in moves]
+    olds = [(REGIONS[region].report, old) for _, region, _, old in moves]
     del moves, fresh
     _report_held(olds, engine)
     if done is not None:
@@ -263,19 +264,33 @@ def reload_module(model) -> None:
 
 def offload(model, optimizer=None, what=KINDS, to="cpu", path=None, non_blocking=False) -> None:
     """Offloads an optimizer's memory (what: params, grads, optimizer) and
-    the model's own params and buffers that the optimizer does not hold."""
+    the model's own params and buffers that the optimizer does not hold.
+    All or nothing: if a later move fails, the earlier ones this call made
+    are reloaded before the error is raised."""
     kinds = check_what(what)
     check_target(to, path)
-    if optimizer is not None:
-        optimizer.offload(what=kinds, to=to, path=path, non_blocking=non_blocking)
-    if "params" in kinds:
-        pin_memory = getattr(optimizer, "pin_memory", "auto")
-        record = sharding_of_model(model)
-        if record is not None and record.engine.buckets:
-            from .generation import refuse_while_gathered
-            refuse_while_gathered(record, "offload")
-            offload_engine(record.engine, ("params",), to, path, pin_memory=pin_memory)
-        offload_module(model, optimizer, to=to, path=path, pin_memory=pin_memory)
+    undo = []
+    try:
+        if optimizer is not None:
+            fresh = not optimizer.engine.offloaded
+            optimizer.offload(what=kinds, to=to, path=path, non_blocking=non_blocking)
+            if fresh:
+                undo.append(optimizer.reload)
+        if "params" in kinds:
+            pin_memory = getattr(optimizer, "pin_memory", "auto")
+            record = sharding_of_model(model)
+            if record is not None and record.engine.buckets:
+                from .generation import refuse_while_gathered
+                refuse_while_gathered(record, "offload")
+                fresh = not record.engine.offloaded
+                offload_engine(record.engine, ("params",), to, path, pin_memory=pin_memory)
+                if fresh:
+                    undo.append(lambda: reload_engine(record.engine, pin_memory=pin_memory))
+            offload_module(model, optimizer, to=to, path=path, pin_memory=pin_memory)
+    except BaseException:
+        for step in reversed(undo):
+            step()
+        raise
 
 
 def reload(model, optimizer=None, non_blocking=False) -> None:

@@ -144,6 +144,10 @@ class GradReducer:
     def _open_round(self) -> None:
         if self._round_open:
             return
+        if not self._staging and self.buckets:
+            raise RuntimeError("backward needs the optimizer's grads where it trains, but they "
+                               "are offloaded (offload(what=(..., 'grads'))): call reload() "
+                               "before the next backward")
         if self.before_new_grads is not None:
             self.before_new_grads()
         self._round_open = True

@@ -239,6 +239,27 @@ def bf16_edits(rank, world_size, steps, stage, edit_at):
     return {"params": [p.detach().clone() for p in params], "state_dict": opt.state_dict()}
 
 
+def backward_while_grads_offloaded(rank, world_size, stage):
+    """A backward after offload(what=grads) refuses with what to do; after
+    reload() training goes on."""
+    model = make_model()
+    opt = rlhfz.ZeroAdamW(groups(model), lr=1e-3, stage=stage)
+    data = batches(3)
+    train(model, opt, data[:1], rank, world_size)
+    opt.offload(what=("grads",))
+    x, y = data[1]
+    shard = slice(rank, None, world_size)
+    try:
+        torch.nn.functional.mse_loss(model(x[shard]), y[shard]).backward()
+        refused = None
+    except RuntimeError as error:
+        refused = str(error)
+    opt.reload()
+    opt.zero_grad()
+    train(model, opt, data[2:], rank, world_size)
+    return refused
+
+
 def save_sharded_then_continue(rank, world_size, directory, steps_before, steps_after, stage):
     model = make_model()
     opt = rlhfz.ZeroAdamW(groups(model), lr=1e-3, stage=stage)

@@ -40,6 +40,31 @@ def test_a_model_alone_round_trips_bitwise(tmp_path, kind):
         assert len(files) == 1
 
 
+@pytest.mark.parametrize("dtype, options", [
+    (torch.bfloat16, dict(stage=0)), (torch.bfloat16, dict(stage=2)),
+    (torch.float32, dict(stage=1, offload="cpu", offload_ratio=0.5))],
+    ids=["bf16-stage0", "bf16-stage2", "fp32-offload"])
+def test_weights_loaded_alone_are_what_a_live_optimizer_steps_from(tmp_path, dtype, options):
+    """The optimizer keeps its own copy of these params (an fp32 master, a
+    host part): a model-only load under it must reach that copy, as torch's
+    AdamW steps from the loaded values."""
+    saved = workers.mlp(seed=1).to(dtype)
+    rlhfz.save_checkpoint(tmp_path, saved)
+    model = workers.mlp(seed=2).to(dtype)
+    opt = rlhfz.ZeroAdamW(model.parameters(), lr=1e-3, **options)
+    rlhfz.load_checkpoint(tmp_path, model)
+    ref = workers.mlp(seed=2)
+    ref.load_state_dict({k: v.float() for k, v in saved.state_dict().items()})
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        p.grad = torch.full_like(p, 0.01)
+        q.grad = torch.full_like(q, 0.01)
+    opt.step()
+    ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q.to(dtype))
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_the_weights_of_a_full_checkpoint_load_into_a_model_alone(tmp_path, stage):
     """A 2-rank checkpoint (params in each rank's bucket shards) into a

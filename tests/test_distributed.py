@@ -372,3 +372,8 @@ def test_a_clip_folded_into_the_step_is_the_clip_torch_makes(world_size, stage):
                                    torch.tensor(expected["norms"]), rtol=1e-5, atol=0)
         for got, want in zip(result["params"], expected["params"]):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_a_backward_while_grads_are_offloaded_says_to_reload():
+    for refused in run_ranks(workers.backward_while_grads_offloaded, 2, 2):
+        assert refused is not None and "call reload()" in refused

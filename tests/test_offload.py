@@ -193,6 +193,37 @@ def test_a_failed_allocation_midway_loses_nothing(tmp_path, monkeypatch):
     train_step(model, opt, 1)
 
 
+def test_a_module_move_that_fails_takes_the_optimizers_back(tmp_path, monkeypatch):
+    """rlhfz.offload moves the optimizer first, then the model's own tensors:
+    if those fail, the optimizer is reloaded before the error comes out,
+    and the context manager is never entered."""
+    model, opt = make()
+    train_step(model, opt, 0)
+    before, ids = snapshot(model, opt), identities(model, opt)
+
+    def no_room(*args, **kwargs):
+        raise OSError(28, "simulated: no space left for the model's buffers")
+    monkeypatch.setattr(migrate, "offload_module", no_room)
+    with pytest.raises(OSError, match="simulated"):
+        with rlhfz.offloaded(model, opt, to="disk", path=tmp_path):
+            raise AssertionError("entered")
+    assert set(opt.placement().values()) == {"host"}
+    _assert_back_and_training(model, opt, tmp_path, before, ids)
+
+
+def test_held_memory_is_reported_under_its_own_kind(tmp_path):
+    model, opt = make()
+    train_step(model, opt, 0)
+    held = opt.state[model.body[0].weight]["exp_avg"][:2]     # shares the optimizer's memory
+    with pytest.warns(RuntimeWarning, match=r"\(exp_avg\) could not be freed"):
+        opt.offload(what="optimizer", to="disk", path=tmp_path)
+    report = opt.memory_report()
+    assert report["exp_avg"]["held_elsewhere"] == report["exp_avg"]["disk"]
+    assert "held_elsewhere" not in report["master"]
+    del held
+    opt.reload()
+
+
 def test_module_tensors_the_optimizer_does_not_own_move_too(tmp_path):
     model, opt = make()
     train_step(model, opt, 0)
@@ -204,7 +235,12 @@ def test_module_tensors_the_optimizer_does_not_own_move_too(tmp_path):
         # num_batches_tracked (int64), which the optimizer does not own
         assert len(files) == 4 + 3
         assert_same(before, snapshot(model, opt))
-    assert os.listdir(tmp_path) == []
+    _assert_back_and_training(model, opt, tmp_path, before, ids)
+
+
+def _assert_back_and_training(model, opt, directory, before, ids):
+    """No file left, every value and identity as before, and a step works."""
+    assert os.listdir(directory) == []
     assert_same(before, snapshot(model, opt))
     assert identities(model, opt) == ids
     train_step(model, opt, 1)

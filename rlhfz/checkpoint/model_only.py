@@ -242,6 +242,10 @@ def load_model(path, model):
     finally:
         for tf in files.values():
             tf.close()
+    # The reads are C writes, which torch's version counters do not see: an
+    # optimizer keeping its own copy of a param (an fp32 master, a host
+    # part) learns of them by the version (Bucket.adopt_written).
+    torch.autograd.graph.increment_version([t for t in tensors.values() if not t.is_meta])
     sync_buckets(touched.values())
     mark_filled(module, list(module.parameters()))
     return index.get("client_state")

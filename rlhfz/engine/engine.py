@@ -78,7 +78,7 @@ class ShardEngine:
         self.on_state = None             # on_state(bucket, index, entry or None)
         self.offloaded: set[str] = set()          # kinds moved away from where they train
         self.moves_in_flight = None               # the event after a non-blocking move's copies
-        self.held_elsewhere: list = []            # (kind, weakref to a Buffer) still viewed
+        self.held_elsewhere: list = []            # (report kind, weakref to a Buffer) viewed
         self._host = HostBackend()
         self._finite_versions: tuple[int, ...] | None = None
         # A clip not yet applied to grads only rlhfz can read (the reducer's
@@ -446,8 +446,7 @@ class ShardEngine:
         for kind, ref in self.held_elsewhere:
             buffer = ref()
             if buffer is not None:
-                names = ("master", "exp_avg", "exp_avg_sq") if kind == "optimizer" else (kind,)
-                entry = report[names[0]]
+                entry = report[kind]
                 entry["held_elsewhere"] = entry.get("held_elsewhere", 0) + buffer.nbytes
         return report
 
