@@ -57,6 +57,10 @@ int rlhfz_arg_double(PyObject *obj, const char *name, double *out)
 {
     double value = PyFloat_AsDouble(obj);
     if (value == -1.0 && PyErr_Occurred()) {
+        /* only "not a number" is renamed; an interrupt or a device error
+         * raised by __float__ passes through as it is */
+        if (!PyErr_ExceptionMatches(PyExc_TypeError))
+            return -1;
         PyErr_Clear();
         PyErr_Format(PyExc_TypeError, "%s must be a real number, not %.200s",
                      name, Py_TYPE(obj)->tp_name);

@@ -12,6 +12,8 @@
 #include <structmember.h>
 #include <string.h>
 
+#define RLHFZ_MAX_ALIGNMENT ((size_t)1 << 30)
+
 /* ---- Buffer ---------------------------------------------------------------- */
 
 rlhfz_Buffer *rlhfz_buffer_alloc(rlhfz_state *state, size_t nbytes, size_t alignment, int zero)
@@ -41,9 +43,11 @@ static rlhfz_Buffer *new_buffer(rlhfz_state *state, size_t nbytes, size_t *padde
 rlhfz_Buffer *rlhfz_buffer_alloc_in(rlhfz_state *state, rlhfz_tier tier, int device,
                                     size_t nbytes, size_t alignment, int zero)
 {
-    if (alignment < sizeof(void *) || (alignment & (alignment - 1)) != 0) {
-        PyErr_Format(PyExc_ValueError, "alignment must be a power of two >= %zu, not %zu",
-                     sizeof(void *), alignment);
+    /* past a huge page, alignment buys nothing and only fails allocations */
+    if (alignment < sizeof(void *) || alignment > RLHFZ_MAX_ALIGNMENT ||
+        (alignment & (alignment - 1)) != 0) {
+        PyErr_Format(PyExc_ValueError, "alignment must be a power of two in [%zu, %zu], not %zu",
+                     sizeof(void *), (size_t)RLHFZ_MAX_ALIGNMENT, alignment);
         return NULL;
     }
     size_t padded;
@@ -125,6 +129,10 @@ static PyObject *Buffer_new(PyTypeObject *type, PyObject *args, PyObject *kwargs
     rlhfz_state *state = rlhfz_state_from_type(type);
     if (state == NULL)
         goto done;
+    if (tier == RLHFZ_TIER_DISK && PyBytes_GET_SIZE(path) == 0) {
+        PyErr_SetString(PyExc_ValueError, "path must name a directory, not be empty");
+        goto done;
+    }
     if (tier == RLHFZ_TIER_DISK)
         made = rlhfz_buffer_alloc_disk(state, PyBytes_AS_STRING(path), (size_t)nbytes);
     else
@@ -228,8 +236,16 @@ static PyObject *Buffer_copy_from(rlhfz_Buffer *self, PyObject *const *args, Py_
     if (rlhfz_arg_stream(slots[1], &stream) < 0 ||
         (slots[2] != NULL && (non_blocking = PyObject_IsTrue(slots[2])) < 0))
         return NULL;
-    if (src == self || self->nbytes == 0)
+    if (src == self || src->data == self->data || self->nbytes == 0)
         Py_RETURN_NONE;
+    /* Buffers adopted from one array may share memory; the copy runs in
+     * parallel chunks, which would read what another chunk already wrote. */
+    if ((char *)src->data < (char *)self->data + self->nbytes &&
+        (char *)self->data < (char *)src->data + src->nbytes) {
+        PyErr_SetString(PyExc_ValueError, "copy_from: src and this buffer overlap in memory; "
+                        "copy through a separate buffer");
+        return NULL;
+    }
     /* A copy runs on the device of its device memory; one between two
      * devices would need peer access, which rlhfz never sets up. */
     if (src->tier == RLHFZ_TIER_DEVICE && self->tier == RLHFZ_TIER_DEVICE &&
@@ -357,6 +373,14 @@ static PyObject *Buffer_view(rlhfz_Buffer *self, PyObject *const *args, Py_ssize
         return NULL;
     if (offset < 0) {
         PyErr_Format(PyExc_ValueError, "offset must be >= 0, not %lld", (long long)offset);
+        return NULL;
+    }
+    /* Every consumer of a view reads whole elements; an adopted buffer may
+     * start anywhere. */
+    if ((uintptr_t)self->data % itemsize != 0) {
+        PyErr_Format(PyExc_ValueError, "this buffer starts at an address not aligned to %zu "
+                     "bytes, so it has no %s view; adopt memory aligned to the element size",
+                     itemsize, rlhfz_dtype_name(dtype));
         return NULL;
     }
     size_t capacity = self->nbytes / itemsize;
@@ -513,12 +537,25 @@ static int finish_deferred(void *unused)
  * thread (a gloo worker finishing a collective), and with it the process.
  * Its reference goes when Python next runs (a pending call), or at the next
  * allocation; at exit, with the interpreter, never. */
+/* PyGILState_Check answers yes to every thread once a subinterpreter has
+ * existed; this asks whether this thread's own state is the one running. */
+static int this_thread_holds_gil(void)
+{
+#if PY_VERSION_HEX >= 0x030D0000
+    PyThreadState *running = PyThreadState_GetUnchecked();
+#else
+    PyThreadState *running = _PyThreadState_UncheckedGet();
+#endif
+    PyThreadState *mine = PyGILState_GetThisThreadState();
+    return running != NULL && running == mine;
+}
+
 static void release_export(rlhfz_Buffer *buffer)
 {
     buffer->exports--;
     if (!Py_IsInitialized())
         return;
-    if (PyGILState_Check()) {
+    if (this_thread_holds_gil()) {
         Py_DECREF(buffer);
         return;
     }

@@ -89,7 +89,7 @@ static PyObject *adamw_step_lowp(PyObject *module, PyObject *const *args, Py_ssi
     enum { MASTER, EXP_AVG, EXP_AVG_SQ, GRAD, PARAM_OUT, SCALE, SQ_SCALE, LR, BETA1, BETA2,
            EPS, WD, STEP, MAXIMIZE, GRAD_SCALE, ROUNDING, SEED, INDEX_BASE, SIMD, NSLOTS };
     PyObject *slots[NSLOTS];
-    if (rlhfz_parse_args("adamw_step_lowp", args, nargs, kwnames, names, 5, 4, slots) < 0)
+    if (rlhfz_parse_args("adamw_step_lowp", args, nargs, kwnames, names, 7, 4, slots) < 0)
         return NULL;
     rlhfz_adamw_hparams hp;
     if (rlhfz_adamw_hparams_from_args("adamw_step_lowp", slots + LR, &hp) < 0)

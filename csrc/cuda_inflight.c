@@ -63,8 +63,10 @@ void *rlhfz_inflight_spare_event(rlhfz_inflight *inflight, int device)
 
 static void release(inflight_entry *entry)
 {
-    for (int i = 0; i < entry->count; i++)
+    for (int i = 0; i < entry->count; i++) {
+        rlhfz_borrow_end(entry->keep[i]);
         Py_CLEAR(entry->keep[i]);
+    }
     entry->count = 0;
 }
 

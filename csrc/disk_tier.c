@@ -96,7 +96,10 @@ int rlhfz_disk_alloc(const char *dir, size_t nbytes, void **data, int *fd, char 
         snprintf(message, sizeof(message), "could not %s a %zu-byte disk buffer at %s: %s", step,
                  nbytes, name, strerror(error));
         /* OSError(errno, text) picks the subclass (PermissionError, ...) */
-        PyObject *exception = PyObject_CallFunction(PyExc_OSError, "is", error, message);
+        /* a path is bytes in the file system's encoding, not always UTF-8 */
+        PyObject *text = PyUnicode_DecodeFSDefault(message);
+        PyObject *exception = text == NULL ? NULL
+                              : PyObject_CallFunction(PyExc_OSError, "iN", error, text);
         if (exception != NULL) {
             PyErr_SetObject((PyObject *)Py_TYPE(exception), exception);
             Py_DECREF(exception);

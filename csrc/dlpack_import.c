@@ -261,6 +261,29 @@ static PyObject *call_dlpack(PyObject *obj, rlhfz_place place, void *stream)
     return capsule;
 }
 
+/* A capsule passed in by the caller stays the caller's, so a kernel only
+ * borrows it; while it does (with the GIL released), the capsule carries
+ * these names, so that no other consumer takes it and frees the memory
+ * under the kernel. The names are restored when the borrow ends. */
+#define LENT_NAME "rlhfz_lent_dltensor"
+#define LENT_NAME_VERSIONED "rlhfz_lent_dltensor_versioned"
+
+static void lend_capsule(PyObject *capsule, int versioned)
+{
+    /* cannot fail: the capsule was just found valid under its own name */
+    (void)PyCapsule_SetName(capsule, versioned ? LENT_NAME_VERSIONED : LENT_NAME);
+}
+
+void rlhfz_borrow_end(PyObject *keepalive)
+{
+    if (keepalive == NULL || !PyCapsule_CheckExact(keepalive))
+        return;
+    if (PyCapsule_IsValid(keepalive, LENT_NAME))
+        (void)PyCapsule_SetName(keepalive, "dltensor");
+    else if (PyCapsule_IsValid(keepalive, LENT_NAME_VERSIONED))
+        (void)PyCapsule_SetName(keepalive, "dltensor_versioned");
+}
+
 /* Obtains a capsule from obj (or obj itself, if it is one) and its tensor. */
 static PyObject *open_capsule(PyObject *obj, const char *name, rlhfz_place place, void *stream,
                               DLTensor **tensor, int *readonly, void **managed, int *versioned)
@@ -299,6 +322,13 @@ static PyObject *open_capsule(PyObject *obj, const char *name, rlhfz_place place
         *readonly = 0;
         *managed = m;
         *versioned = 0;
+    } else if (PyCapsule_IsValid(capsule, LENT_NAME) ||
+               PyCapsule_IsValid(capsule, LENT_NAME_VERSIONED)) {
+        PyErr_Format(PyExc_BufferError, "%s is a DLPack capsule lent to an rlhfz call right "
+                     "now (given twice, or in use on another thread); pass each use its own "
+                     "capsule", name);
+        Py_DECREF(capsule);
+        return NULL;
     } else if (PyCapsule_IsValid(capsule, "used_dltensor") ||
                PyCapsule_IsValid(capsule, "used_dltensor_versioned")) {
         PyErr_Format(PyExc_BufferError, "%s is a DLPack capsule that was already consumed", name);
@@ -364,11 +394,14 @@ int rlhfz_array_from_object(rlhfz_state *state, PyObject *obj, const char *name,
     }
     out->readonly = readonly;
     out->keepalive = capsule;
+    if (capsule == obj)
+        lend_capsule(capsule, versioned);
     return 0;
 }
 
 void rlhfz_array_release(rlhfz_array *array)
 {
+    rlhfz_borrow_end(array->keepalive);
     Py_CLEAR(array->keepalive);
 }
 

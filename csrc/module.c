@@ -79,8 +79,9 @@ static PyObject *set_num_threads(PyObject *module, PyObject *arg)
     int64_t n;
     if (rlhfz_arg_int64(arg, "n", &n) < 0)
         return NULL;
-    if (n < 1 || n > 4096) {
-        PyErr_Format(PyExc_ValueError, "thread count must be in [1, 4096], not %lld", (long long)n);
+    if (n < 1 || n > RLHFZ_MAX_THREADS) {
+        PyErr_Format(PyExc_ValueError, "thread count must be in [1, %d], not %lld",
+                     RLHFZ_MAX_THREADS, (long long)n);
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS

@@ -148,6 +148,7 @@ typedef enum {
 int rlhfz_array_from_object(rlhfz_state *state, PyObject *obj, const char *name,
                             int flags, rlhfz_place place, void *stream, rlhfz_array *out);
 void rlhfz_array_release(rlhfz_array *array);
+void rlhfz_borrow_end(PyObject *keepalive);   /* a lent capsule gets its name back */
 int rlhfz_buffer_import_dlpack(rlhfz_Buffer *buffer, PyObject *obj);
 PyObject *rlhfz_describe_dlpack(PyObject *module, PyObject *obj);
 

@@ -49,8 +49,11 @@ size_t rlhfz_dtype_size(rlhfz_dtype dtype);
 rlhfz_simd_level rlhfz_simd_detect(void);
 const char *rlhfz_simd_name(rlhfz_simd_level level);
 
+/* The most threads the CPU kernels use, so the pool needs no allocation. */
+#define RLHFZ_MAX_THREADS 256
+
 /* Threads used by the CPU kernels. Default: the CPUs this process may run on.
- * n < 1 is clamped to 1. Safe to call between kernel calls from any thread. */
+ * n is clamped to [1, RLHFZ_MAX_THREADS]. Safe to call between kernel calls from any thread. */
 void rlhfz_threads_set(int n);
 int rlhfz_threads_get(void);
 

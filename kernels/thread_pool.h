@@ -17,9 +17,6 @@
 
 #include "rlhfz_kernels.h"
 
-/* Thread counts are clamped to this, so the pool needs no allocation. */
-#define RLHFZ_MAX_THREADS 256
-
 /* Below this many elements a call runs inline: waking workers costs more. */
 #define RLHFZ_PARALLEL_MIN_ELEMENTS 32768
 

@@ -54,6 +54,9 @@ def test_disk_buffer_failures_are_oserrors_naming_the_file(tmp_path):
     with pytest.raises(OSError):
         _C.Buffer(64, "disk", path="/proc/self")      # no new files there, even for root
     assert sorted(os.listdir(tmp_path)) == ["a-file"]
+    # a path is bytes in the file system's encoding, UTF-8 or not
+    with pytest.raises(FileNotFoundError, match="could not open"):
+        _C.Buffer(64, "disk", path=os.fsencode(tmp_path) + b"/missing\xff")
 
 
 @pytest.mark.parametrize("src_tier, dst_tier", [

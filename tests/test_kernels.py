@@ -302,3 +302,29 @@ def test_every_thread_count_gives_the_same_bits(n):
     ref = [x.clone(), x.abs(), x.square()]
     _C.adamw_step(*ref, x.flip(0).clone(), simd="reference", **hp)
     assert all(torch.equal(a, b) for a, b in zip(ref, steps[0]))
+
+
+def test_thread_counts_past_the_pool_are_refused_not_clamped():
+    before = rlhfz.get_num_threads()
+    try:
+        with pytest.raises(ValueError, match=r"thread count must be in \[1, 256\], not 257"):
+            rlhfz.set_num_threads(257)
+        assert rlhfz.get_num_threads() == before
+        rlhfz.set_num_threads(256)
+        assert rlhfz.get_num_threads() == 256
+    finally:
+        rlhfz.set_num_threads(before)
+
+
+class _Interrupting:
+    def __float__(self):
+        raise KeyboardInterrupt
+
+
+def test_an_interrupt_while_reading_a_number_is_not_renamed_a_typeerror():
+    x = np.ones(8, np.float32)
+    with pytest.raises(KeyboardInterrupt):
+        _C.scale_(x, _Interrupting())
+    with pytest.raises(TypeError, match="scale must be a real number, not str"):
+        _C.scale_(x, "2")
+    assert x.tolist() == [1.0] * 8

@@ -170,9 +170,9 @@ class State:
         return other
 
     def step(self, grad, step, *, param_out=None, simd=None, **kw):
+        # the scales by position, as the signature lists them
         _C.adamw_step_lowp(self.master, self.exp_avg, self.exp_avg_sq, grad, param_out,
-                           exp_avg_scale=self.scales, exp_avg_sq_scale=self.sq_scales,
-                           step=step, simd=simd, **HP, **kw)
+                           self.scales, self.sq_scales, step=step, simd=simd, **HP, **kw)
 
     def moments(self):
         """float64 values of the stored moments."""
