@@ -5,9 +5,12 @@ param dtype, fp32 master weights only for 16-bit params, two moments in the
 state dtype: fp32 (4 bytes each), bf16 (2) or int8 (1, plus a 4-byte scale
 per block of 256, counted with its moment; params under min_8bit_size
 elements keep fp32 moments, left out here).
-Stage 2 grads across ranks are the shard plus the reducer's staging: two
-slots of the bucket cap (one param group assumed; a param above the cap goes
-through the slots in pieces). Padding (at most one alignment unit per
+Stage 2 and 3 grads across ranks are the shard plus the reducer's staging:
+two slots of the bucket cap (one param group assumed; a param above the cap
+goes through the slots in pieces). offload="cpu" keeps the host part's
+master and moments on the host, with a host copy of its grads and params
+(in the param dtype) that the CPU step reads and writes; fp32 params keep a
+master for the host part only. Padding (at most one alignment unit per
 bucket) is left out.
 """
 from __future__ import annotations
@@ -37,23 +40,23 @@ def estimate_bytes(params: int, world_size: int = 1, stage: int = 2,
         raise ValueError(f"bucket_bytes must be at least {MIN_BUCKET_BYTES}")
     itemsize = _ITEMSIZE[param_dtype]
     per_rank = -(-params // world_size)
+    shard = params if stage == 0 else per_rank
+    on_host = int(round(shard * offload_ratio)) if offload == "cpu" else 0
     grads = params * itemsize if stage < 2 else per_rank * itemsize
-    if stage == 2 and world_size > 1:
+    if stage >= 2 and world_size > 1:
         bucket = min(stage2_bucket_bytes(params * itemsize, bucket_bytes), params * itemsize)
         grads += 2 * bucket
-    full = {
-        "params": params * itemsize if stage < 3 else per_rank * itemsize,
-        "grads": grads,
-        "master": 0 if itemsize == 4 and offload is None else
-                  (params if stage == 0 else per_rank) * 4,
-        "exp_avg": round((params if stage == 0 else per_rank) * _MOMENT_BYTES[state_dtype]),
-        "exp_avg_sq": round((params if stage == 0 else per_rank) * _MOMENT_BYTES[state_dtype]),
+    moment = _MOMENT_BYTES[state_dtype]
+    report = {
+        "params": {"device": params * itemsize if stage < 3 else per_rank * itemsize,
+                   "host": on_host * itemsize},
+        "grads": {"device": grads, "host": on_host * itemsize},
+        "master": ({"device": 0, "host": on_host * 4} if itemsize == 4 else
+                   {"device": (shard - on_host) * 4, "host": on_host * 4}),
+        "exp_avg": {"device": round((shard - on_host) * moment), "host": round(on_host * moment)},
+        "exp_avg_sq": {"device": round((shard - on_host) * moment),
+                       "host": round(on_host * moment)},
     }
-    report = {kind: {"device": nbytes, "host": 0} for kind, nbytes in full.items()}
-    if offload == "cpu":
-        for kind in ("master", "exp_avg", "exp_avg_sq"):
-            host = int(round(full[kind] * offload_ratio))
-            report[kind] = {"device": full[kind] - host, "host": host}
     return report
 
 

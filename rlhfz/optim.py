@@ -18,6 +18,8 @@ from torch.optim import Optimizer
 from . import state_dict as translate
 from .comm import communicator_for
 from .engine import ShardEngine, backend_for, host_buffer
+from .module_zero_grad import unwatch as unwatch_zero_grad
+from .module_zero_grad import watch as watch_zero_grad
 from .optim_edits import StateEntries, check_group_params
 from .optim_options import (check_engine_options, check_group, check_hparams, check_params,
                             check_state_dtype, check_unsupported, common_device,
@@ -178,6 +180,7 @@ class ZeroAdamW(Optimizer):
         if stage >= 2 and self.world_size > 1:
             self.engine.use_reducer(GradReducer(self.engine.buckets, self.comm, self.backend,
                                                 self.bucket_bytes))
+            watch_zero_grad(self.engine)
         # Stage 3 across ranks: params sharded too, gathered per unit
         # (stage3.py); the model's frozen params are sharded beside them
         # (sharding.py), and a model sharded before brings its own.
@@ -632,6 +635,7 @@ class ZeroAdamW(Optimizer):
         the native NCCL communicator (collectives="nccl"), and the pinned
         buffers reload() kept for the next offload. Every rank calls it; the
         optimizer cannot step afterwards."""
+        unwatch_zero_grad(self.engine)
         if self.comm is not None:
             self.comm.destroy()
         from .engine import release_pinned

@@ -188,7 +188,11 @@ class GradReducer:
         return progress.staged[1]
 
     def on_grad(self, bucket: Bucket, index: int, param: torch.Tensor) -> None:
-        self._open_round()
+        try:
+            self._open_round()
+        except RuntimeError:
+            param.grad = None       # a refused backward leaves no full grad behind
+            raise
         progress = self._of(bucket)
         with torch.no_grad():
             if self._pieced(bucket):
@@ -342,6 +346,18 @@ class GradReducer:
             progress = self._of(bucket)
             progress.arrived = [False] * len(bucket.params)
             progress.accumulated = False
+
+    def zero_param(self, bucket: Bucket, index: int) -> None:
+        """One param's grad starts over: its elements of this rank's shard
+        are zeroed, and until a grad comes it has none (as p.grad = None)."""
+        self.flush()
+        shard = bucket.flat_grad_shard
+        lo, hi = rank_range(bucket.shard.rank, shard.numel())
+        slot = bucket.layout.slots[index]
+        start, stop = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        if start < stop:
+            shard[start - lo:stop - lo].zero_()
+        self._of(bucket).arrived[index] = False
 
 
 def _reduce_and_add(comm, bucket: Bucket, flat: torch.Tensor, target: torch.Tensor) -> None:

@@ -260,6 +260,37 @@ def backward_while_grads_offloaded(rank, world_size, stage):
     return refused
 
 
+def module_zero_grad_reaches_shard_grads(rank, world_size, stage):
+    """model.zero_grad() finds p.grad None at stages 2 and 3 (the grads live
+    in shards), yet the grads start over as in torch: all of them, or a
+    submodule's alone while the others accumulate across the step. lr 0, so
+    every backward gives the same grads; a plain copy says what they are."""
+    model = make_model()
+    plain = make_model()
+    opt = rlhfz.ZeroAdamW(model if stage == 3 else model.parameters(), lr=0.0, stage=stage)
+    x, y = batches(1)[0]
+    shard = slice(rank, None, world_size)
+    torch.nn.functional.mse_loss(plain(x), y).backward()
+    first_layer = sum(float(p.grad.square().sum()) for p in plain[0].parameters())
+    rest = sum(float(p.grad.square().sum()) for p in plain.parameters()) - first_layer
+
+    def backward():
+        torch.nn.functional.mse_loss(model(x[shard]), y[shard]).backward()
+        return float(opt.clip_grad_norm_(float("inf")))
+
+    norms = [backward()]
+    opt.step()
+    model.zero_grad()
+    norms.append(backward())            # the new grads alone
+    opt.step()
+    model[0].zero_grad()
+    norms.append(backward())            # the first layer's new, the rest twice over
+    opt.step()
+    expected = [(first_layer + rest) ** 0.5] * 2 + [(first_layer + 4 * rest) ** 0.5]
+    opt.close()
+    return norms, expected
+
+
 def save_sharded_then_continue(rank, world_size, directory, steps_before, steps_after, stage):
     model = make_model()
     opt = rlhfz.ZeroAdamW(groups(model), lr=1e-3, stage=stage)
@@ -379,12 +410,25 @@ def accumulate_across_steps(rank, world_size, stage):
             "grads_after_first": grads_after_first}
 
 
-def report_against_estimate(rank, world_size, stage):
+def report_against_estimate(rank, world_size, stage, dtype=torch.float32, ratio=None):
+    """memory_report() after a step, beside estimate_bytes for the same
+    setup (ratio: offload="cpu" with that offload_ratio)."""
     from rlhfz.estimate import estimate_bytes
-    model = make_model()
-    opt = rlhfz.ZeroAdamW(model.parameters(), stage=stage)
-    numel = sum(p.numel() for p in model.parameters())
-    return opt.memory_report(), estimate_bytes(numel, world_size, stage, "float32")
+    model = make_model().to(dtype)
+    numel = sum(p.numel() for p in model.parameters())     # before stage 3 shards them
+    offload = {} if ratio is None else {"offload": "cpu", "offload_ratio": ratio}
+    # a cap below every bucket, so staging is two caps (the estimate cannot
+    # know a smaller model's largest bucket)
+    opt = rlhfz.ZeroAdamW(model if stage == 3 else model.parameters(), stage=stage,
+                          param_persistence_threshold=0, bucket_bytes=4096, **offload)
+    x, y = batches(1)[0]
+    torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y).backward()
+    opt.step()
+    report = opt.memory_report()
+    opt.close()
+    return report, estimate_bytes(numel, world_size, stage, str(dtype).split(".")[1],
+                                  offload=offload.get("offload"), bucket_bytes=4096,
+                                  offload_ratio=1.0 if ratio is None else ratio)
 
 
 class Branchy(torch.nn.Module):
@@ -405,7 +449,7 @@ class Branchy(torch.nn.Module):
         return torch.nn.functional.mse_loss(out, y)
 
 
-def branchy_reference(world_size, steps):
+def branchy_reference(world_size, steps, clip=None):
     """One process, the same global objective: the mean of the ranks' losses."""
     model = Branchy()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -416,11 +460,13 @@ def branchy_reference(world_size, steps):
                                y[r * per_rank:(r + 1) * per_rank], r)
                     for r in range(world_size)) / world_size
         total.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
     return [p.detach().clone() for p in model.parameters()], opt.state_dict()
 
 
-def branchy_sharded(rank, world_size, steps, stage):
+def branchy_sharded(rank, world_size, steps, stage, clip=None):
     os.environ["RLHFZ_BUCKET_BYTES"] = str(4 << 10)     # several buckets under stage 2
     model = Branchy()
     opt = rlhfz.ZeroAdamW(model.parameters(), lr=1e-2, stage=stage)
@@ -429,6 +475,8 @@ def branchy_sharded(rank, world_size, steps, stage):
         opt.zero_grad()
         model.loss(x[rank * per_rank:(rank + 1) * per_rank],
                    y[rank * per_rank:(rank + 1) * per_rank], rank).backward()
+        if clip is not None:       # a look at the grads before the step's own
+            opt.clip_grad_norm_(clip)
         opt.step()
     return [p.detach().clone() for p in model.parameters()], opt.state_dict()
 

@@ -72,11 +72,66 @@ def train(trainer_kind, steps, optimizer, gather=True, stage=2, sleep=False, out
     return out
 
 
+def trainer_parity(stage, steps=3):
+    """transformers' Trainer on a tiny Llama: ZeroAdamW at `stage` and DDP
+    with torch.optim.AdamW on the same data, with gradient accumulation and
+    clipping; the final params of each."""
+    import contextlib
+    import io
+    import tempfile
+
+    import transformers
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    import rlhfz
+    from rlhfz.integrations.trainer import ZeroTrainerMixin
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+
+    class Tokens(torch.utils.data.Dataset):
+        def __init__(self):
+            self.ids = torch.randint(4, 64, (32, 8), generator=torch.Generator().manual_seed(1))
+
+        def __len__(self):
+            return len(self.ids)
+
+        def __getitem__(self, i):
+            return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+    ZeroTrainer = type("ZeroTrainer", (ZeroTrainerMixin, Trainer), {})
+    out = {}
+    for kind in ("torch", "zero"):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            tie_word_embeddings=False))
+        args = TrainingArguments(
+            output_dir=tempfile.mkdtemp(prefix="rlhfz-trainer-"), per_device_train_batch_size=2,
+            gradient_accumulation_steps=2, max_steps=steps, learning_rate=1e-2,
+            lr_scheduler_type="constant", max_grad_norm=1.0, report_to="none", use_cpu=True,
+            save_strategy="no", seed=0, disable_tqdm=True, ddp_backend="gloo")
+        if kind == "torch":
+            opt, cls = torch.optim.AdamW(model.parameters(), lr=1e-2), Trainer
+        else:
+            opt, cls = rlhfz.ZeroAdamW(model, lr=1e-2, stage=stage), ZeroTrainer
+        trainer = cls(model=model, args=args, train_dataset=Tokens(), optimizers=(opt, None))
+        with contextlib.redirect_stdout(io.StringIO()):
+            trainer.train()
+        out[kind] = {n: t.clone() for n, t in rlhfz.iter_full_params(model)}
+        if kind == "zero":
+            opt.close()
+    return out
+
+
 if __name__ == "__main__":
     import faulthandler
     faulthandler.dump_traceback_later(float(os.environ.get("RLHFZ_TEST_DUMP_AFTER", "240")),
                                       exit=True)
     out_path, kind, steps, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-    result = train(kind, steps, "zero", gather=mode == "gather", stage=3, sleep=True)
+    if kind == "trainer-parity":
+        result = trainer_parity(stage=int(mode), steps=steps)
+    else:
+        result = train(kind, steps, "zero", gather=mode == "gather", stage=3, sleep=True)
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save(result, out_path)

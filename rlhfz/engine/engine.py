@@ -169,6 +169,21 @@ class ShardEngine:
             bucket.reattach_moved()      # a cast since the last step: grads and params home first
             bucket.zero_grads(set_to_none)
 
+    def zero_param_grads(self, ids: set) -> None:
+        """module.zero_grad() over params of this optimizer whose grads live
+        in the reducer's shards (p.grad is None, so torch's finds nothing):
+        those params' grads start over, as a p.grad = None would make them."""
+        hits = [(b, i) for b in self.buckets for i, p in enumerate(b.params) if id(p) in ids]
+        if not hits:
+            return
+        if len(hits) == sum(len(b.params) for b in self.buckets):
+            self.zero_grads(set_to_none=True)
+            return
+        self.settle_grads()              # a clip of the grads that stay applies to them alone
+        self._finite_versions = None
+        for bucket, index in hits:
+            self.reducer.zero_param(bucket, index)
+
     def _grad_versions(self) -> tuple[int, ...]:
         if self.reducer is not None:
             return tuple(self.reducer.version(b) for b in self.buckets)
@@ -253,7 +268,11 @@ class ShardEngine:
             i += len(present)
             for index, (mine, anyone) in enumerate(zip(present, agreed)):
                 if anyone and not mine and bucket.full_grads:
+                    # attached, so a later plan() (a clip, then the step)
+                    # finds it present and leaves the reduced grad alone;
+                    # after the reduction it holds the mean, as DDP leaves it
                     bucket.grad_views[index].zero_()
+                    bucket.params[index].grad = bucket.grad_views[index]
             merged.append(agreed)
         return merged
 
