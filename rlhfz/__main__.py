@@ -13,7 +13,13 @@ def _cmd_info(args) -> int:
 
 
 def _cmd_demo(args) -> int:
+    import os
+
     from rlhfz import demo
+    world_size = int(os.environ.get("WORLD_SIZE", args.world_size))   # torchrun's, if any
+    if args.batch_size % world_size:
+        return _usage_error("demo", f"--batch-size {args.batch_size} does not divide over "
+                                    f"{world_size} ranks: pick a multiple of {world_size}")
     demo.run(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
              world_size=args.world_size, stage=args.stage)
     return 0
@@ -117,6 +123,8 @@ def _checked(convert, what: str, ok, rule: str):
 
 _positive_int = _checked(int, "a whole number", lambda v: v >= 1, "at least 1")
 _ratio = _checked(float, "a number", lambda v: 0.0 <= v <= 1.0, "a share between 0 and 1")
+_positive_float = _checked(float, "a number", lambda v: 0.0 < v < float("inf"),
+                           "a finite number above 0")
 
 
 def main(argv=None) -> int:
@@ -125,11 +133,12 @@ def main(argv=None) -> int:
 
     demo = sub.add_parser("demo", help="train a small transformer with ZeroAdamW on gloo ranks "
                                        "beside torch.optim.AdamW")
-    demo.add_argument("--steps", type=int, default=300)
-    demo.add_argument("--batch-size", type=int, default=16)
-    demo.add_argument("--lr", type=float, default=3e-3)
+    demo.add_argument("--steps", type=_positive_int, default=300)
+    demo.add_argument("--batch-size", type=_positive_int, default=16)
+    demo.add_argument("--lr", type=_positive_float, default=3e-3)
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--world-size", type=int, default=2, help="gloo ranks (1: one process)")
+    demo.add_argument("--world-size", type=_positive_int, default=2,
+                      help="gloo ranks (1: one process)")
     demo.add_argument("--stage", type=int, default=2, choices=(0, 1, 2))
     demo.set_defaults(func=_cmd_demo)
 

@@ -49,11 +49,15 @@ def synced_generation(model, on: bool) -> None:
         setattr(module, _SYNCED_GENERATION, on)
 
 
+_WRAPPERS = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+
+
 def unwrap_model(model, attribute: str = _ATTRIBUTE):
-    """The module under DDP / accelerate wrappers (their .module), stopping
-    at one that carries `attribute` (rlhfz's record on the model)."""
+    """The module under DDP / DataParallel wrappers (their .module), stopping
+    at one that carries `attribute` (rlhfz's record on the model). A model's
+    own child named `module` is not a wrapper's."""
     seen = 0
-    while not hasattr(model, attribute) and hasattr(model, "module") and seen < 8:
+    while not hasattr(model, attribute) and isinstance(model, _WRAPPERS) and seen < 8:
         model = model.module
         seen += 1
     return model

@@ -106,6 +106,8 @@ def _entry(worker, rank, world_size, store_path, results, args):
 
 
 def run_ranks(worker, world_size, *args, timeout=180):
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a whole number of ranks >= 1, not {world_size!r}")
     ctx = _context()
     results = ctx.Queue()
     # A file store: no port to pick, so none another process can take first.

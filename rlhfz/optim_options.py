@@ -142,15 +142,19 @@ def check_params(tensors: list, device: torch.device, groups) -> None:
 
 def common_device(params: list) -> torch.device:
     """The device of the first tensor among params (or param-group dicts);
-    check_params then holds every param to it."""
+    check_params then holds every param to it. A group's generator is read
+    into a list here, every group's, since it can be read only once."""
+    for item in params:
+        if isinstance(item, dict):
+            tensors = item.get("params", [])
+            if not isinstance(tensors, (torch.Tensor, list, tuple, set)) and tensors is not None:
+                item["params"] = list(tensors)
     for item in params:
         tensors = [item]
         if isinstance(item, dict):
             tensors = item.get("params", [])
             if isinstance(tensors, torch.Tensor):
                 tensors = [tensors]
-            elif not isinstance(tensors, (list, tuple, set)) and tensors is not None:
-                item["params"] = tensors = list(tensors)   # a generator is read once
         for t in tensors or []:
             t = t[1] if isinstance(t, tuple) else t
             if isinstance(t, torch.Tensor):

@@ -2,7 +2,7 @@
 a 2-D DeviceMesh, 2 replicas of 2 shard ranks, against torch AdamW."""
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import checkpoint_workers
 import dist_workers
@@ -188,6 +188,9 @@ def mesh_arguments(rank, world_size):
     row_unnamed = init_device_mesh("cpu", (1, 2))
     renamed = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "fsdp"))
     cube = init_device_mesh("cpu", (1, 1, 2))
+    first_only = DeviceMesh("cpu", [0])
+    if rank == 1:
+        refused("outside", lambda: rlhfz.ZeroAdamW(params(), stage=2, device_mesh=first_only))
     refused("not_a_mesh", lambda: rlhfz.ZeroAdamW(params(), stage=2, device_mesh="mesh"))
     refused("names", lambda: rlhfz.ZeroAdamW(params(), stage=2, device_mesh=renamed))
     refused("three_dims", lambda: rlhfz.ZeroAdamW(params(), stage=2, device_mesh=cube))

@@ -122,6 +122,8 @@ def test_checkpoints_reshard_between_hybrid_and_plain_layouts(tmp_path):
 
 def test_meshes_are_checked_and_a_1d_mesh_is_a_process_group():
     results = run_ranks(workers.mesh_arguments, 2)
+    outside = results[1]["errors"]["outside"]
+    assert outside.startswith("ValueError") and "rank 1 is not in the device_mesh" in outside
     for result in results:
         errors = result["errors"]
         assert errors["not_a_mesh"].startswith("TypeError") and "DeviceMesh" in errors["not_a_mesh"]

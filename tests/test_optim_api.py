@@ -91,6 +91,15 @@ def test_assigned_grad_is_adopted_at_step():
     torch.testing.assert_close(p.detach(), q.detach())
 
 
+def _train_alongside(model, opt, ref_model, ref, steps):
+    gen, ref_gen = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        _step(model, opt, gen)
+        _step(ref_model, ref, ref_gen)
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
 def test_add_param_group_later():
     model = _model()
     first = list(model[0].parameters())
@@ -104,12 +113,17 @@ def test_add_param_group_later():
     ref = torch.optim.AdamW(list(ref_model[0].parameters()), lr=1e-3)
     ref.add_param_group({"params": list(ref_model[2].parameters()), "lr": 1e-2,
                          "weight_decay": 0.0})
-    gen, ref_gen = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
-    for _ in range(20):
-        _step(model, opt, gen)
-        _step(ref_model, ref, ref_gen)
-    for a, b in zip(model.parameters(), ref_model.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    _train_alongside(model, opt, ref_model, ref, steps=20)
+
+
+def test_param_groups_given_as_generators_keep_every_param():
+    model, ref_model = _model(), _model()
+    opt = rlhfz.ZeroAdamW([{"params": model[0].parameters()},
+                           {"params": model[2].parameters(), "lr": 1e-2}], lr=1e-3)
+    ref = torch.optim.AdamW([{"params": ref_model[0].parameters()},
+                             {"params": ref_model[2].parameters(), "lr": 1e-2}], lr=1e-3)
+    assert [len(g["params"]) for g in opt.param_groups] == [2, 2]
+    _train_alongside(model, opt, ref_model, ref, steps=5)
 
 
 def test_named_parameters_are_accepted():
@@ -304,6 +318,32 @@ def test_cli_estimate_refuses_bad_input_with_a_message(arguments, message):
     assert run.returncode == 2 and run.stdout == ""
     assert message in run.stderr and "Traceback" not in run.stderr, run.stderr
     assert "_parse" not in run.stderr and "_ratio" not in run.stderr
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--steps", "0"], "--steps: '0': at least 1"),
+    (["--steps", "-1"], "--steps: '-1': at least 1"),
+    (["--world-size", "0"], "--world-size: '0': at least 1"),
+    (["--world-size", "-1"], "--world-size: '-1': at least 1"),
+    (["--batch-size", "0"], "--batch-size: '0': at least 1"),
+    (["--batch-size", "3", "--world-size", "2"], "does not divide over 2 ranks"),
+    (["--lr", "-1"], "--lr: '-1': a finite number above 0"),
+    (["--lr", "nan"], "--lr: 'nan': a finite number above 0"),
+])
+def test_cli_demo_refuses_bad_input_before_training(arguments, message):
+    import subprocess
+    import sys
+    run = subprocess.run([sys.executable, "-m", "rlhfz", "demo", *arguments],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and run.stdout == ""
+    assert message in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+def test_run_ranks_needs_a_rank():
+    from rlhfz.launch import run_ranks
+    for world_size in (0, -3, 1.5):
+        with pytest.raises(ValueError, match="world_size must be a whole number of ranks"):
+            run_ranks(print, world_size)
 
 
 def test_cli_estimate_puts_the_offload_ratio_on_the_host():

@@ -153,6 +153,22 @@ def test_the_trl_twin_has_trls_signature():
     assert [p.default for p in ours.values()][2:] == [p.default for p in theirs.values()][2:]
 
 
+def test_the_trl_twin_unwraps_wrappers_not_a_models_own_child_named_module():
+    from rlhfz.integrations.trl import unwrap_model_for_generation
+
+    class ValueHead(torch.nn.Module):      # a user's model with a child called "module"
+        def __init__(self):
+            super().__init__()
+            self.module = torch.nn.Linear(4, 4)
+            self.head = torch.nn.Linear(4, 1)
+
+    model = ValueHead()
+    with unwrap_model_for_generation(model) as unwrapped:
+        assert unwrapped is model
+    with unwrap_model_for_generation(torch.nn.DataParallel(model)) as unwrapped:
+        assert unwrapped is model
+
+
 def test_a_rank_that_never_enters_makes_the_others_fail():
     results = run_ranks(workers.one_rank_skips, 2)
     assert results[1] == "skipped"

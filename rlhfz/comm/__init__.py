@@ -72,6 +72,10 @@ def _mesh_communicator(mesh, process_group, collectives: str, backend):
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("a device_mesh needs torch.distributed initialized")
     replicate_dim, shard_dim = mesh_dims(mesh)
+    if mesh.get_coordinate() is None:
+        raise ValueError(f"rank {dist.get_rank()} is not in the device_mesh (ranks "
+                         f"{mesh.mesh.flatten().tolist()}): only the mesh's ranks can shard "
+                         f"over it; give this rank a mesh of its own, or no optimizer")
     if backend is not None:
         check_mesh_device(mesh, backend.device)
     if collectives != "torch":

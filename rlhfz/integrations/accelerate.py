@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 
+import torch
 from accelerate import Accelerator
 
 
@@ -47,6 +48,35 @@ class ZeroAcceleratorMixin:
         return super().prepare_model(model, device_placement=device_placement,
                                      evaluation_mode=evaluation_mode)
 
+    def get_state_dict(self, model, unwrap=True):
+        state_dict = super().get_state_dict(model, unwrap=unwrap)
+        if owning_optimizer(self.unwrap_model(model)) is None:
+            return state_dict
+        # The params are views of one flat buffer per bucket, and accelerate
+        # (as safetensors) keeps one tensor per storage, taking the others for
+        # tied weights: each view gets memory of its own, real ties stay one.
+        copies = {}
+        for name, tensor in state_dict.items():
+            if isinstance(tensor, torch.Tensor):
+                key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+                if key not in copies:
+                    copies[key] = tensor.detach().clone()
+                state_dict[name] = copies[key]
+        return state_dict
+
+    def load_state(self, input_dir=None, *args, **kwargs):
+        # accelerate reads model.safetensors through safetensors' load_model,
+        # which refuses params that share a storage none of them covers whole:
+        # every rlhfz param (views of a flat buffer). Those models load through
+        # load_state_dict, tied weights (saved once) counted as loaded.
+        from accelerate import checkpointing
+        original = checkpointing.load_model
+        checkpointing.load_model = functools.partial(_load_model, original)
+        try:
+            return super().load_state(input_dir, *args, **kwargs)
+        finally:
+            checkpointing.load_model = original
+
     def _zero_optimizers(self):
         return [z for z in (zero_optimizer(o) for o in getattr(self, "_optimizers", []))
                 if z is not None]
@@ -61,14 +91,49 @@ class ZeroAcceleratorMixin:
             opt.unscale_(self.scaler)
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
-        parameters = list(parameters)
+        parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         ids = {id(p) for p in parameters}
+        owners = []
         for opt in self._zero_optimizers():
-            if any(id(p) in ids for group in opt.param_groups for p in group["params"]):
-                if getattr(self, "scaler", None) is not None:
-                    self.unscale_gradients(opt)
-                return opt.clip_grad_norm_(max_norm, norm_type)
-        return super().clip_grad_norm_(parameters, max_norm, norm_type)
+            owned = {id(p) for group in opt.param_groups for p in group["params"]}
+            if owned & ids:
+                owners.append((opt, owned))
+        if not owners:
+            return super().clip_grad_norm_(parameters, max_norm, norm_type)
+        # A ZeroAdamW's grads are sharded: it takes the norm over all of its
+        # params at once, so only exactly those can be clipped through it.
+        owned = set().union(*(o for _, o in owners))
+        others = [p for p in parameters if id(p) not in owned and p.grad is not None]
+        if len(owners) > 1 or not owners[0][1] <= ids or others:
+            raise ValueError(
+                "clip_grad_norm_ over these parameters would need the norm of part of a "
+                "ZeroAdamW's params, or of several optimizers' together, but a ZeroAdamW takes "
+                "one norm over all of its own params (its grads are sharded). Pass exactly one "
+                "ZeroAdamW's params (model.parameters() when it trains the model), or clip each "
+                "optimizer with its own clip_grad_norm_")
+        opt = owners[0][0]
+        if getattr(self, "scaler", None) is not None:
+            self.unscale_gradients(opt)
+        return opt.clip_grad_norm_(max_norm, norm_type)
+
+
+def _view_key(tensor: torch.Tensor) -> tuple:
+    return (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+
+
+def _load_model(original, model, filename, strict=True, device="cpu", **kwargs):
+    if owning_optimizer(model) is None:
+        return original(model, filename, strict=strict, device=device, **kwargs)
+    from safetensors.torch import load_file
+    state_dict = load_file(filename, device=device)
+    missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    current = model.state_dict()
+    loaded = {_view_key(current[name]) for name in state_dict if name in current}
+    missing = [name for name in missing if _view_key(current[name]) not in loaded]
+    if strict and (missing or unexpected):
+        raise RuntimeError(f"Error(s) in loading {filename} into {type(model).__name__}: "
+                           f"missing keys {missing}, unexpected keys {list(unexpected)}")
+    return missing, list(unexpected)
 
 
 class ZeroAccelerator(ZeroAcceleratorMixin, Accelerator):
