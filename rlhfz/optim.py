@@ -541,7 +541,8 @@ class ZeroAdamW(Optimizer):
         self._take_state_edits()
         groups = (super().state_dict()["param_groups"] if self.comm is None
                   else translate.packed_groups(self.param_groups))
-        return translate.sharded_state(self.engine, self.param_groups, groups)
+        return translate.sharded_state(self.engine, self.param_groups, groups,
+                                       getattr(self.comm, "replica", 0))
 
     def load_sharded_state_dict(self, shards: list[dict[str, Any]]) -> None:
         """Loads the sharded_state_dict() of every rank of a run of any world

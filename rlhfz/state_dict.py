@@ -68,8 +68,9 @@ def gathered_state(engine, param_groups) -> dict[int, dict[str, torch.Tensor]]:
     return state
 
 
-def sharded_state(engine, param_groups, groups) -> dict[str, Any]:
-    """This rank's part of the state, with where each param's elements sit."""
+def sharded_state(engine, param_groups, groups, replica: int = 0) -> dict[str, Any]:
+    """This rank's part of the state, with where each param's elements sit
+    (replica: which copy of the shard group, under hybrid sharding)."""
     position = positions(param_groups)
     buckets = []
     for bucket in engine.buckets:
@@ -86,7 +87,7 @@ def sharded_state(engine, param_groups, groups) -> dict[str, Any]:
                              if bucket.has_master else None),
         })
     return {"format": SHARDED_FORMAT, "rank": engine.rank, "world_size": engine.world_size,
-            "param_groups": groups, "buckets": buckets}
+            "replica": replica, "param_groups": groups, "buckets": buckets}
 
 
 def consolidate_sharded(shards: list[dict[str, Any]]) -> dict[str, Any]:
@@ -95,6 +96,10 @@ def consolidate_sharded(shards: list[dict[str, Any]]) -> dict[str, Any]:
     if not shards or any(not isinstance(s, dict) or s.get("format") != SHARDED_FORMAT
                          for s in shards):
         raise ValueError(f"expected a list of {SHARDED_FORMAT} dicts, one per rank")
+    # Under hybrid sharding every replica of the shard group holds the same
+    # state: one replica's parts are the whole of it.
+    first = min(s.get("replica", 0) for s in shards)
+    shards = [s for s in shards if s.get("replica", 0) == first]
     world_size = shards[0]["world_size"]
     ranks = sorted(s["rank"] for s in shards)
     if ranks != list(range(world_size)) or any(s["world_size"] != world_size for s in shards):

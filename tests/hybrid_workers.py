@@ -83,7 +83,7 @@ def mlp_parity(rank, world_size, stage, steps, options):
            "numel": sum(p.numel() for p in model.parameters()),
            "padded": sum(b.layout.padded_numel for b in opt.engine.buckets),
            "buckets": len(opt.engine.buckets), "shard_state": _shard_state(opt),
-           "grad_shard_bytes": _grad_shard_bytes(opt)}
+           "grad_shard_bytes": _grad_shard_bytes(opt), "sharded": opt.sharded_state_dict()}
     # one more step, its traffic counted (one micro-batch: one reduction)
     out["traffic"] = _one_step_traffic(opt, lambda: dist_workers.train(
         model, opt, data[steps:], rank, world_size, clip=1.0))

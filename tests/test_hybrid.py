@@ -71,6 +71,16 @@ def test_hybrid_stages_1_and_2_match_torch_adamw(stage, options):
     for result in results[1:]:
         for a, b in zip(result["params"], results[0]["params"]):
             assert torch.equal(a, b)
+    # one file per rank, every replica's included, reads back whole
+    shards = [result["sharded"] for result in results]
+    single = rlhfz.ZeroAdamW(dist_workers.groups(dist_workers.make_model()), lr=1e-3)
+    single.load_sharded_state_dict(shards)
+    for key, entry in single.state_dict()["state"].items():
+        for name, value in entry.items():
+            assert torch.equal(value, results[0]["state_dict"]["state"][key][name]), (key, name)
+    halves = [r["sharded"] for r in results if r["coords"] in ((0, 0), (1, 1))]
+    with pytest.raises(ValueError, match="every rank's part exactly once"):
+        single.load_sharded_state_dict(halves)
 
 
 def test_hybrid_stage3_matches_torch_adamw_and_generates():
