@@ -53,13 +53,18 @@ _WRAPPERS = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
 
 
 def unwrap_model(model, attribute: str = _ATTRIBUTE):
-    """The module under DDP / DataParallel wrappers (their .module), stopping
-    at one that carries `attribute` (rlhfz's record on the model). A model's
-    own child named `module` is not a wrapper's."""
-    seen = 0
-    while not hasattr(model, attribute) and isinstance(model, _WRAPPERS) and seen < 8:
-        model = model.module
-        seen += 1
+    """The module under torch.compile's wrapper (its _orig_mod) and DDP /
+    DataParallel wrappers (their .module), stopping at one that carries
+    `attribute` (rlhfz's record on the model). A model's own child named
+    `module` is not a wrapper's."""
+    for _ in range(8):
+        compiled = getattr(model, "_orig_mod", None)
+        if isinstance(compiled, torch.nn.Module):
+            model = compiled
+        elif not hasattr(model, attribute) and isinstance(model, _WRAPPERS):
+            model = model.module
+        else:
+            break
     return model
 
 

@@ -3,7 +3,9 @@
 save_pretrained(..., adapters="merged") writes what merge_and_unload() then
 save_pretrained would, without changing the model: each LoRA layer's base
 weight plus its active adapters' delta weights (PEFT's own get_delta_weight),
-under the base model's names. The adapters' own params are left out.
+under the base model's names, and each modules_to_save module's copy in use
+in place of the original. The adapters' own params are left out. What PEFT
+merges some other way is refused, never left out.
 """
 from __future__ import annotations
 
@@ -14,34 +16,84 @@ def is_peft(module) -> bool:
     return type(module).__module__.split(".")[0] == "peft"
 
 
+def _refused(what: str) -> NotImplementedError:
+    return NotImplementedError(f"{what}, which rlhfz does not merge as PEFT does: send or save "
+                               f"it with adapters='only', or merge_and_unload() first")
+
+
+def _mergeable_layers() -> tuple:
+    """The LoRA layers whose merge is the base weight plus get_delta_weight."""
+    from peft.tuners.lora import layer
+    return tuple(getattr(layer, name) for name in ("Linear", "Embedding", "Conv1d", "Conv2d",
+                                                   "Conv3d") if hasattr(layer, name))
+
+
+def _mergeable_adapters(name: str, module) -> list:
+    """The active adapters of a LoRA layer not merged into it yet (as
+    merge_and_unload picks them), once the layer is one merged as the base
+    weight plus get_delta_weight."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    if type(module) not in _mergeable_layers():
+        raise _refused(f"{name} is a {type(module).__module__}.{type(module).__qualname__}")
+    if isinstance(module.base_layer, BaseTunerLayer):
+        raise _refused(f"{name} holds one PEFT layer inside another")
+    if getattr(module.get_base_layer(), "groups", 1) != 1:
+        raise _refused(f"{name} is a grouped convolution")
+    adapters = [a for a in module.active_adapters
+                if (a in module.lora_A or a in module.lora_embedding_A)
+                and a not in module.merged_adapters]
+    for adapter in adapters:
+        if adapter in getattr(module, "lora_variant", {}) or \
+                getattr(module, "lora_bias", {}).get(adapter):
+            raise _refused(f"adapter {adapter!r} of {name} is a LoRA variant (DoRA, a LoRA bias)")
+    return adapters
+
+
 def merge_plan(peft_model):
-    """(base model, {id(base weight): (layer, adapters)}, ids of the adapters'
-    params). Variants PEFT merges differently (DoRA, LoRA biases) are refused."""
-    from peft.tuners.lora.layer import LoraLayer
+    """(base model, {id(base weight): (layer, adapters)}, rename): rename(name)
+    is the name a tensor of the base model's state dict takes once merged
+    (as merge_and_unload leaves it), or None for one it drops: the adapters'
+    own, and the copies of a modules_to_save module not in use."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
+    config = getattr(peft_model, "active_peft_config", None)
+    if getattr(config, "is_prompt_learning", False):
+        raise _refused(f"the model's adapter is a prompt ({config.peft_type})")
     base = peft_model.get_base_model()
-    merges, adapter_params = {}, set()
-    for module in base.modules():
-        if not isinstance(module, LoraLayer):
-            continue
-        adapter_params |= {id(p) for name, p in module.named_parameters()
-                           if "lora_" in name}
-        if getattr(module, "merged", False):
-            continue                      # merged in place already: the weight holds it
-        adapters = [a for a in module.active_adapters if a in module.lora_A]
-        for adapter in adapters:
-            if adapter in getattr(module, "lora_variant", {}) or \
-                    getattr(module, "lora_bias", {}).get(adapter):
-                raise NotImplementedError(
-                    f"adapter {adapter!r} is a LoRA variant (DoRA, a LoRA bias) that "
-                    f"save_pretrained does not merge: save it with adapters='only'")
-        if adapters:
-            merges[id(module.get_base_layer().weight)] = (module, adapters)
-    return base, merges, adapter_params
+    merges = {}
+    moves = {}              # {module prefix: the prefix its tensors take, or None: dropped}
+    wrappers = ()           # modules_to_save prefixes: what lies in them is decided there
+    for name, module in base.named_modules():
+        prefix = name + "."
+        if isinstance(module, ModulesToSaveWrapper):
+            # the copy forward uses: the active adapter's, else the original
+            active = [a for a in module.active_adapters if a in module.modules_to_save]
+            kept = module.modules_to_save[active[0]] if active else module.original_module
+            if any(isinstance(m, BaseTunerLayer) for m in kept.modules()):
+                raise _refused(f"{name} is a modules_to_save module with PEFT layers in it")
+            moves[prefix] = None
+            moves[prefix + (f"modules_to_save.{active[0]}." if active else "original_module.")] = \
+                prefix
+            wrappers += (prefix,)
+        elif isinstance(module, AuxiliaryTrainingWrapper):
+            raise _refused(f"{name} is a {type(module).__module__}.{type(module).__qualname__}")
+        elif isinstance(module, BaseTunerLayer) and not name.startswith(wrappers):
+            adapters = _mergeable_adapters(name, module)
+            moves[prefix] = None
+            moves[prefix + "base_layer."] = prefix
+            if adapters:
+                merges[id(module.get_base_layer().weight)] = (module, adapters)
 
-
-def base_name(name: str) -> str:
-    """The name transformers gives a weight PEFT wrapped in a LoRA layer."""
-    return name.replace(".base_layer.", ".")
+    def rename(tensor_name: str) -> str | None:
+        """The longest module prefix that moves decides."""
+        parts = tensor_name.split(".")
+        for end in range(len(parts) - 1, 0, -1):
+            prefix = ".".join(parts[:end]) + "."
+            if prefix in moves:
+                to = moves[prefix]
+                return None if to is None else to + tensor_name[len(prefix):]
+        return tensor_name
+    return base, merges, rename
 
 
 def merged(weight: torch.Tensor, layer, adapters) -> torch.Tensor:

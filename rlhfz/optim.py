@@ -49,6 +49,15 @@ def live_optimizers() -> list:
     return list(_LIVE)
 
 
+def owning_optimizer(model):
+    """The live ZeroAdamW that owns the model's params, or None."""
+    ids = {id(p) for p in model.parameters()}
+    for opt in live_optimizers():
+        if any(id(p) in ids for group in opt.param_groups for p in group["params"]):
+            return opt
+    return None
+
+
 def _state_keeper(optimizer_ref):
     """What the engine calls when it gives a param state (or takes it away):
     optimizer.state maps the param to it, as torch's does after the param's

@@ -17,7 +17,7 @@ import torch
 
 from .checkpoint.safetensors_out import SafetensorsWriter, nbytes
 from .engine import split_by_bytes
-from .lora_export import adapter_units, base_name, is_peft, merge_plan, merged
+from .lora_export import adapter_units, is_peft, merge_plan, merged
 from .model_state import sync_buckets, unwrapped, whole_shape
 from .progress import progress
 from .sharding import mark_filled
@@ -99,20 +99,21 @@ def export_entries(record, inner):
     every tensor a Hugging Face export holds, each tied tensor once under
     its first name, whole tensors first, then unit by unit in the order they
     are gathered. For a PEFT model: the base model's names, LoRA weights to
-    merge, no adapter params."""
-    merges, skip, rename, holder = {}, set(), (lambda n: n), inner
+    merge, no adapter params, the modules_to_save copies in use under the
+    base model's names."""
+    merges, rename, holder = {}, (lambda n: n), inner
     if is_peft(inner):
-        holder, merges, skip = merge_plan(inner)
-        rename = base_name
+        holder, merges, rename = merge_plan(inner)
     slots = record.sharded_slots() if record is not None else {}
     unit_of = ({id(p): u for u, (_, buckets) in enumerate(record.stage3.units)
                 for b in buckets for p in b.params} if record is not None else {})
     seen, entries = set(), []
     for name, t in holder.state_dict(keep_vars=True).items():
-        if id(t) in seen or id(t) in skip:
+        name = rename(name)
+        if name is None or id(t) in seen:
             continue
         seen.add(id(t))
-        entries.append((unit_of.get(id(t)) if id(t) in slots else None, rename(name), t,
+        entries.append((unit_of.get(id(t)) if id(t) in slots else None, name, t,
                         merges.get(id(t))))
     return holder, sorted(entries, key=lambda e: -1 if e[0] is None else e[0]), unit_of
 

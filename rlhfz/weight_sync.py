@@ -43,6 +43,7 @@ under the base model's names; "only" sends the adapters' params.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import zlib
@@ -52,8 +53,10 @@ import torch
 import torch.distributed as dist
 
 from .comm.channel import BroadcastChannel, in_group
-from .lora_export import is_peft, merged
+from .comm.control import CollectiveError
+from .lora_export import adapter_units, is_peft, merged
 from .model_state import unwrapped, whole_shape
+from .optim import owning_optimizer
 from .pretrained import export_entries
 
 FORMAT = "rlhfz.weight_sync.v3"
@@ -248,9 +251,12 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 # ---- sending -----------------------------------------------------------------------------
 
-def _check_send_args(src, bucket_bytes, dtype, adapters, checksum) -> None:
+def _check_src(src) -> None:
     if isinstance(src, bool) or not isinstance(src, int) or src < 0:
         raise ValueError(f"src must be a global rank (an int >= 0), not {src!r}")
+
+
+def _check_send_args(bucket_bytes, dtype, adapters, checksum) -> None:
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) \
             or bucket_bytes < PIECE_ALIGN:
         raise ValueError(f"bucket_bytes must be an int >= {PIECE_ALIGN}, not {bucket_bytes!r}")
@@ -367,9 +373,7 @@ class _Sender:
             if unit is not None:
                 units.add(unit)
             if merge is not None:
-                layer = merge[0]
-                units |= {self.unit_of[id(p)] for n, p in layer.named_parameters()
-                          if "lora_" in n and id(p) in self.unit_of}
+                units |= adapter_units(merge[0], self.unit_of)
         return units
 
     def run(self, root: int | None = None, pack=None, flush=None,
@@ -458,8 +462,12 @@ def sync_weights(model, group, *, src: int = 0, bucket_bytes: int = 256 << 20, d
     gathers. Returns what was sent: {"tensors", "bytes", "buckets",
     "buffer_bytes", "copied_bytes", "seconds"} (on src; the others' counts are
     the plan's): copied_bytes went through a buffer (packed, cast or moved to
-    the group's device), the rest from the memory that holds them."""
-    _check_send_args(src, bucket_bytes, dtype, adapters, checksum)
+    the group's device), the rest from the memory that holds them.
+
+    A sync src cannot send (a bad argument, a model it cannot send as asked)
+    is refused on every trainer and, in place of the manifest, on every
+    receiver: all raise WeightSyncError, and the group stays usable."""
+    _check_src(src)
     started = time.perf_counter()
     me = dist.get_rank()
     member = in_group(group)
@@ -469,21 +477,39 @@ def sync_weights(model, group, *, src: int = 0, bucket_bytes: int = 256 << 20, d
     if me == src and not member:
         raise ValueError(f"src (rank {src}) is not in the weight-sync group: the group holds "
                          f"the sending trainer and every receiver")
-    sender = _Sender(model, adapters, dtype, bucket_bytes)
-    comm = sender.record.comm if sender.stage3 is not None else None
-    if comm is not None:
-        comm.agree("sync_weights", {"src": src, "bucket_bytes": bucket_bytes,
-                                    "dtype": None if dtype is None else _dtype_name(dtype),
-                                    "adapters": adapters, "checksum": checksum})
-        if src not in comm.members:
+    comm = _trainers(model)
+    channel = BroadcastChannel(group, src) if me == src else None
+    sender, refusal = None, None
+    try:
+        _check_send_args(bucket_bytes, dtype, adapters, checksum)
+        if comm is not None and src not in comm.members:
             raise ValueError(f"src (rank {src}) is not one of the training model's ranks "
                              f"{comm.members}")
+        sender = _Sender(model, adapters, dtype, bucket_bytes)
+    except Exception as error:           # the receivers hear of it instead of a manifest
+        refusal = error
+    disagreed = None
+    try:
+        if comm is not None:
+            comm.agree("sync_weights", {"src": src, "bucket_bytes": bucket_bytes,
+                                        "dtype": str(dtype), "adapters": adapters,
+                                        "checksum": checksum, "refused": refusal is not None})
+    except CollectiveError as error:
+        disagreed = error
+    failed = refusal if refusal is not None else disagreed
+    if failed is not None:
+        if channel is not None:
+            # what the caller must hear is the refusal, not that no receiver came to hear it
+            with contextlib.suppress(CollectiveError):
+                channel.object({"format": FORMAT, "refused": str(failed)})
+        if refusal is None:
+            raise disagreed
+        raise WeightSyncError(f"sync_weights: {refusal}") from refusal
     report = {"tensors": len(sender.entries), "buckets": len(sender.buckets),
               "bytes": sum(math.prod(shape) * d.itemsize
                            for shape, d in sender.specs), "buffer_bytes": 0, "copied_bytes": 0}
     if comm is None and me != src:
         return dict(report, seconds=0.0)        # params are whole on src: nothing to gather
-    channel = BroadcastChannel(group, src) if me == src else None
     failure = []
 
     def handshake():
@@ -498,7 +524,7 @@ def sync_weights(model, group, *, src: int = 0, bucket_bytes: int = 256 << 20, d
             return refused is None
         return verdict
     # only the ranks whose shards src needs gather (under hybrid sharding: src's group)
-    gathers = comm is not None and src in comm.shard_ranks
+    gathers = sender.stage3 is not None and src in comm.shard_ranks
     crc = [0]
     root = comm.shard_ranks.index(src) if gathers else None
     if channel is not None:
@@ -516,9 +542,20 @@ def sync_weights(model, group, *, src: int = 0, bucket_bytes: int = 256 << 20, d
     return dict(report, seconds=time.perf_counter() - started)
 
 
+def _trainers(model):
+    """The communicator over the training model's ranks (a sharded model's,
+    or its ZeroAdamW's at stages 1-2), or None for one process."""
+    record, inner = unwrapped(model)
+    if record is not None:
+        return record.comm
+    optimizer = owning_optimizer(inner)
+    return optimizer.comm if optimizer is not None else None
+
+
 def _agree_failure(comm, failure: str | None) -> None:
     """Every trainer raises if the receivers reported a failure to src. The
-    trainers gather regardless, so this is their one agreement, at the end."""
+    trainers gather regardless (at stage 3), so this is their one agreement
+    after the start's, at the end."""
     if comm is not None:
         failure = next((v for v in comm.statuses(failure, "sync_weights") if v is not None),
                        None)
@@ -670,7 +707,7 @@ def _host_bytes(t: torch.Tensor):
 
 # ---- receiving ---------------------------------------------------------------------------
 
-def _check_manifest(manifest, inner) -> tuple[list, list, str | None]:
+def _check_manifest(manifest, record, inner) -> tuple[list, list, str | None]:
     """(the receiver's tensors in the manifest's order, the buckets, or an
     error)."""
     if not isinstance(manifest, dict) or not str(manifest.get("format")).startswith(
@@ -679,6 +716,9 @@ def _check_manifest(manifest, inner) -> tuple[list, list, str | None]:
     if manifest["format"] != FORMAT:
         return [], [], (f"the sender speaks {manifest['format']}, this receiver {FORMAT}: run "
                         f"the same rlhfz on both sides")
+    if record is not None and record.stage3 is not None:
+        return [], [], ("receive_weights loads a plain, unsharded model (a generation "
+                        "worker's); this one is sharded")
     mine, seen = {}, set()
     for name, t in inner.state_dict(keep_vars=True).items():
         if id(t) not in seen:
@@ -688,7 +728,7 @@ def _check_manifest(manifest, inner) -> tuple[list, list, str | None]:
     missing = [n for n in sent if n not in mine]
     named = set(sent)
     extra = [n for n in mine if n not in named] if manifest["adapters"] != "only" else []
-    wrong, targets = [], []
+    wrong, unwritable, targets = [], [], []
     for name, shape, dtype in manifest["tensors"]:
         t = mine.get(name)
         if t is None:
@@ -698,8 +738,14 @@ def _check_manifest(manifest, inner) -> tuple[list, list, str | None]:
                          f"{list(t.shape)} here")
         elif not t.is_contiguous():
             wrong.append(f"{name}: not contiguous here")
+        elif t.is_meta:
+            unwritable.append(f"{name} is on the meta device (no memory to load into)")
+        elif t.is_inference() and not torch.is_inference_mode_enabled():
+            # torch writes an inference tensor only under inference_mode
+            unwritable.append(f"{name} was made under torch.inference_mode and is written "
+                              f"only inside it")
         targets.append(t)
-    if missing or extra or wrong:
+    if missing or extra or wrong or unwritable:
         parts = []
         if missing:
             parts.append(f"sent but not in this model: {missing[:5]}"
@@ -710,6 +756,9 @@ def _check_manifest(manifest, inner) -> tuple[list, list, str | None]:
         if wrong:
             parts.append(f"different: {wrong[:3]}" + (" ..." if len(wrong) > 3 else "")
                          + " (sync_weights' dtype= casts floating tensors on the way)")
+        if unwritable:
+            parts.append(f"not writable here: {unwritable[:3]}"
+                         + (" ..." if len(unwritable) > 3 else ""))
         return [], [], "the weights sent do not fit this model: " + "; ".join(parts)
     specs = [(tuple(t.shape), t.dtype) for t in targets]
     buckets, error = check_plan(manifest.get("buckets"), specs, manifest.get("bucket_bytes"))
@@ -722,19 +771,18 @@ def receive_weights(model, group, *, src: int = 0) -> dict:
     plain, unsharded one; every receiver in `group` calls this. Returns
     {"tensors", "bytes", "buckets", "seconds"}."""
     started = time.perf_counter()
-    if isinstance(src, bool) or not isinstance(src, int) or src < 0:
-        raise ValueError(f"src must be a global rank (an int >= 0), not {src!r}")
+    _check_src(src)
     me = dist.get_rank()
     if not in_group(group) or me == src:
         raise ValueError(f"rank {me} receives over a group that holds it and src ({src}), "
                          f"not as src itself")
     record, inner = unwrapped(model)
-    if record is not None and record.stage3 is not None:
-        raise NotImplementedError("receive_weights loads a plain, unsharded model (a "
-                                  "generation worker's); this one is sharded")
     channel = BroadcastChannel(group, src)
     manifest = channel.object()
-    targets, buckets, error = _check_manifest(manifest, inner)
+    if isinstance(manifest, dict) and manifest.get("refused") is not None:
+        raise WeightSyncError(f"receive_weights: the sender refused the sync: "
+                              f"{manifest['refused']}")
+    targets, buckets, error = _check_manifest(manifest, record, inner)
     verdict = channel.verdict(error)
     if error is not None:
         raise WeightSyncError(f"receive_weights: {error}")
@@ -780,21 +828,28 @@ def _receive_buckets(buckets, specs, targets, channel: BroadcastChannel) -> None
 
     buffers = _Buffers(channel, max((b.nbytes for k, b in enumerate(buckets)
                                      if into(k) is None), default=0))
+    # A broadcast into a tensor's memory is a write autograd does not see: a
+    # graph that saved the tensor must fail at backward, as after
+    # load_state_dict (the copies out of a buffer count themselves).
+    landed = [targets[b.pieces[0][0]] for k, b in enumerate(buckets) if into(k) is not None]
 
     def post(k):
         flat = into(k)
         flat = flat if flat is not None else buffers.take(k, buckets[k].nbytes)
         return channel.bytes(flat, f"weight-sync bucket {k}")
 
-    work = post(0)
-    with torch.no_grad():
-        for k, bucket in enumerate(buckets):
-            upcoming = post(k + 1) if k + 1 < len(buckets) else None
-            work.wait()
-            if k in buffers.slot:
-                buffer = buffers.take(k, bucket.nbytes)
-                for index, start, count, offset in bucket.pieces:
-                    dtype = specs[index][1]
-                    source = buffer[offset:offset + count * dtype.itemsize].view(dtype)
-                    targets[index].detach().view(-1)[start:start + count].copy_(source)
-            work = upcoming
+    try:
+        work = post(0)
+        with torch.no_grad():
+            for k, bucket in enumerate(buckets):
+                upcoming = post(k + 1) if k + 1 < len(buckets) else None
+                work.wait()
+                if k in buffers.slot:
+                    buffer = buffers.take(k, bucket.nbytes)
+                    for index, start, count, offset in bucket.pieces:
+                        dtype = specs[index][1]
+                        source = buffer[offset:offset + count * dtype.itemsize].view(dtype)
+                        targets[index].detach().view(-1)[start:start + count].copy_(source)
+                work = upcoming
+    finally:
+        torch.autograd.graph.increment_version(list({id(t): t for t in landed}.values()))

@@ -1,7 +1,9 @@
 """Per-rank bodies of the weight-sync tests (importable by spawned ranks):
 ranks 0 and 1 train at stage 3, ranks 2 and 3 hold plain models and
 receive; the sync group holds rank 0 (src) and the receivers."""
+import copy
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -173,17 +175,228 @@ def sync_lora(rank, world_size):
     return {"logits": _logits(base), "adapters": adapters}
 
 
+def lora_variant(case: str, seed: int = 0):
+    """(a PEFT LoRA model whose adapters change its weights, the kind of its
+    base): "embedding", LoRA on GPT-2's tied token embedding and its MLPs;
+    "modules_to_save", a Llama whose LM head trains whole, as a copy PEFT
+    keeps beside the original."""
+    from peft import LoraConfig, get_peft_model
+    if case == "embedding":
+        kind, config = "gpt2", {"target_modules": ["wte", "c_fc"], "fan_in_fan_out": True}
+    else:
+        kind, config = "llama-untied", {"target_modules": ["q_proj", "v_proj"],
+                                        "modules_to_save": ["lm_head"]}
+    base = tiny_lm(kind, seed)
+    torch.manual_seed(seed + 1)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                            init_lora_weights=False, **config))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "modules_to_save" in name:
+                p.add_(1.0)                  # the trained copy, apart from the original
+    return model, kind
+
+
+def _trainable(model) -> dict:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def sync_lora_layers(rank, world_size):
+    """Rank 0 sends PEFT models with LoRA on an embedding, and with a
+    modules_to_save head, merged into plain base models on rank 1, then
+    their adapters alone into PEFT models; rank 0 also keeps what
+    merge_and_unload leaves."""
+    sync = dist.new_group([0, 1])
+    out = {}
+    for case in ("embedding", "modules_to_save"):
+        if rank == 0:
+            model, _ = lora_variant(case)
+            out[case] = copy.deepcopy(model).merge_and_unload().state_dict()
+            out[case + " adapters"] = _trainable(model)
+            rlhfz.sync_weights(model, sync, src=0, bucket_bytes=1 << 13, checksum=True)
+            rlhfz.sync_weights(model, sync, src=0, adapters="only", checksum=True)
+            continue
+        model, kind = lora_variant(case, seed=rank)
+        base = tiny_lm(kind, seed=rank)
+        rlhfz.receive_weights(base, sync, src=0)
+        out[case] = {n: t.detach().clone() for n, t in base.state_dict().items()}
+        rlhfz.receive_weights(model, sync, src=0)
+        out[case + " adapters"] = _trainable(model)
+    return out
+
+
+def _attempt(errors: list, fn, *args, **kwargs):
+    """fn's result, or None with its WeightSyncError's text kept."""
+    try:
+        return fn(*args, **kwargs)
+    except rlhfz.WeightSyncError as error:
+        errors.append(str(error))
+        return None
+
+
+def _params(model) -> dict:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def sync_into_unwritable(rank, world_size):
+    """Rank 0 sends to ranks 1 and 2, whose models cannot be written (on
+    the meta device, made under inference_mode, sharded between them), each
+    refused before a byte moves; then plain ones, which the same group loads."""
+    os.environ["RLHFZ_COLLECTIVE_TIMEOUT"] = "20"
+    sync = dist.new_group([0, 1, 2])
+    receivers = dist.new_group([1, 2])
+    cases = ("meta", "inference", "sharded", "plain")
+    errors = []
+    if rank == 0:
+        model = tiny_lm("gpt2")
+        for _ in cases:
+            _attempt(errors, rlhfz.sync_weights, model, sync, src=0, bucket_bytes=1 << 12,
+                     checksum=True)
+        return {"errors": errors, "whole": _params(model)}
+    for case in cases:
+        if case == "meta":
+            with torch.device("meta"):
+                receiver = tiny_lm("gpt2", seed=1)
+        elif case == "inference":
+            with torch.inference_mode():
+                receiver = tiny_lm("gpt2", seed=1)
+        else:
+            receiver = tiny_lm("gpt2", seed=1)
+            if case == "sharded":
+                rlhfz.shard_model(receiver, process_group=receivers,
+                                  param_persistence_threshold=64)
+        before = _params(receiver) if case == "inference" else None
+        _attempt(errors, rlhfz.receive_weights, receiver, sync, src=0)
+        if before is not None:
+            untouched = all(torch.equal(before[n], p) for n, p in _params(receiver).items())
+    return {"errors": errors, "whole": _params(receiver), "untouched": untouched}
+
+
+def sync_refused_by_the_sender(rank, world_size):
+    """Ranks 0 and 1 train at stage 3 (rank 0 sends), rank 2 receives. Syncs
+    the trainers refuse (buckets too small for a piece, adapters='only' of
+    a model with none) fail on every rank at once; then one goes through."""
+    os.environ["RLHFZ_COLLECTIVE_TIMEOUT"] = "30"
+    train = dist.new_group([0, 1])
+    sync = dist.new_group([0, 2])
+    model = tiny_lm("gpt2", seed=rank)
+    if rank != 2:
+        rlhfz.shard_model(model, process_group=train, param_persistence_threshold=64)
+    errors, seconds = [], []
+    for ask in ({"bucket_bytes": 8}, {"adapters": "only"}, {}):
+        started = time.perf_counter()
+        if rank == 2:
+            _attempt(errors, rlhfz.receive_weights, model, sync, src=0)
+        else:
+            _attempt(errors, rlhfz.sync_weights, model, sync if rank == 0 else None, src=0,
+                     **ask)
+        seconds.append(time.perf_counter() - started)
+    whole = _params(model) if rank == 2 else _whole(model)
+    return {"errors": errors, "seconds": seconds, "whole": whole}
+
+
+def sync_beside_an_absent_side(rank, world_size):
+    """A side that fails before the channel where nothing can be agreed (src
+    given as a string) and stays alive: the other side raises CollectiveError
+    within RLHFZ_COLLECTIVE_TIMEOUT, the receiver waiting for the manifest,
+    then the sender for the verdict."""
+    os.environ["RLHFZ_COLLECTIVE_TIMEOUT"] = "4"
+    from rlhfz.comm import CollectiveError
+    model = tiny_lm("gpt2", seed=rank)
+    call = rlhfz.sync_weights if rank == 0 else rlhfz.receive_weights
+    out = {}
+    for absent in (0, 1):
+        sync = dist.new_group([0, 1])         # a group of its own for each: one is left broken
+        if rank == absent:
+            try:
+                call(model, sync, src="0")
+            except ValueError:
+                time.sleep(10)                # alive, as a trainer or an engine goes on
+            continue
+        started = time.perf_counter()
+        try:
+            call(model, sync, src=0)
+        except CollectiveError as error:
+            out[absent] = (str(error), time.perf_counter() - started)
+    return out
+
+
+def sync_at_stages_1_and_2(rank, world_size):
+    """Ranks 0 and 1 train at stage 1, then 2 (rank 0 sends); rank 2 holds
+    another model: every rank raises."""
+    os.environ["RLHFZ_COLLECTIVE_TIMEOUT"] = "20"
+    train = dist.new_group([0, 1])
+    sync = dist.new_group([0, 2])
+    errors = []
+    for stage in (1, 2):
+        if rank == 2:
+            _attempt(errors, rlhfz.receive_weights, tiny_lm("llama", seed=2), sync, src=0)
+            continue
+        model = tiny_lm("gpt2")
+        optimizer = rlhfz.ZeroAdamW(model, stage=stage, process_group=train)
+        _attempt(errors, rlhfz.sync_weights, model, sync if rank == 0 else None, src=0)
+        del optimizer                           # alive through the sync, as a trainer's is
+    return errors
+
+
+def sync_under_a_graph(rank, world_size):
+    """A receiver's graph saved its weight before a sync wrote it: a large
+    one straight into its memory, a small one through a buffer. Backward
+    then refuses, as after load_state_dict."""
+    sync = dist.new_group([0, 1])
+    out = []
+    for n in (64, 8):
+        torch.manual_seed(rank)
+        model = torch.nn.Linear(n, n)
+        if rank == 0:
+            rlhfz.sync_weights(model, sync, src=0, bucket_bytes=1 << 12)
+            continue
+        x = torch.randn(2, n, requires_grad=True)
+        loss = model(x).sum()
+        rlhfz.receive_weights(model, sync, src=0)
+        try:
+            loss.backward()
+            out.append(None)
+        except RuntimeError as error:
+            out.append(str(error))
+    return out
+
+
+def sync_compiled(rank, world_size):
+    """torch.compile'd models (their names under _orig_mod): a plain sender
+    and a one-rank stage-1 one into a plain receiver, and a plain sender
+    into a compiled receiver."""
+    sync = dist.new_group([0, 1])
+    alone = dist.new_group([0])
+    out, optimizers = [], []
+    for stage, sender_compiled in ((None, True), (1, True), (None, False)):
+        model = tiny_lm("gpt2", seed=rank)
+        if rank == 0:
+            if stage is not None:               # its params become views of its buckets
+                optimizers.append(rlhfz.ZeroAdamW(model, stage=stage, process_group=alone))
+            rlhfz.sync_weights(torch.compile(model) if sender_compiled else model, sync, src=0)
+            out.append(_params(model))
+            continue
+        rlhfz.receive_weights(model if sender_compiled else torch.compile(model), sync, src=0)
+        out.append(_params(model))
+    return out
+
+
 def hybrid_sender(rank, world_size):
     """Ranks 0-3 train at stage 3 on a 2x2 mesh (2 replicas of 2 shard ranks)
     inside a job of 5; rank 4 receives from rank 0. Only rank 0's shard
-    group gathers for the sync."""
+    group gathers for the sync. Then a stage-2 policy on the mesh sends to
+    another model, and every rank raises."""
     from torch.distributed.device_mesh import DeviceMesh
     mesh = DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("replicate", "shard"))
     sync = dist.new_group([0, 4])
+    errors = []
     if rank == 4:
         receiver = tiny_lm("gpt2", seed=9)
         rlhfz.receive_weights(receiver, sync, src=0)
-        return {"whole": {n: p.detach().clone() for n, p in receiver.named_parameters()}}
+        _attempt(errors, rlhfz.receive_weights, tiny_lm("llama", seed=9), sync, src=0)
+        return {"whole": {n: p.detach().clone() for n, p in receiver.named_parameters()},
+                "errors": errors}
     model = tiny_lm("gpt2")
     opt = rlhfz.ZeroAdamW(model, stage=3, lr=1e-2, device_mesh=mesh,
                           param_persistence_threshold=64)
@@ -195,8 +408,13 @@ def hybrid_sender(rank, world_size):
     rlhfz.sync_weights(model, sync if rank == 0 else None, src=0, checksum=True)
     after = opt.comm.traffic_by_dimension()
     sent = {dim: {c: after[dim][c] - before[dim][c] for c in after[dim]} for dim in after}
+    # a stage-2 policy on the mesh whose sync the receiver refuses: every trainer raises
+    other = tiny_lm("gpt2")
+    other_opt = rlhfz.ZeroAdamW(other, stage=2, device_mesh=mesh)
+    _attempt(errors, rlhfz.sync_weights, other, sync if rank == 0 else None, src=0)
+    del other_opt                               # alive through the sync, as a trainer's is
     return {"whole": _whole(model), "sync_sent": sent, "shard_bytes": _shard_bytes(opt),
-            "coords": (opt.comm.replica, opt.rank)}
+            "coords": (opt.comm.replica, opt.rank), "errors": errors}
 
 
 def _shard_bytes(opt) -> int:

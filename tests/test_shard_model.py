@@ -281,3 +281,32 @@ def test_lora_in_one_process_saves_merged_without_changing_the_model(tmp_path):
         rlhfz.save_pretrained(model, tmp_path, max_shard_size="lots")
     with pytest.raises(TypeError, match="transformers or PEFT model"):
         rlhfz.save_pretrained(torch.nn.Linear(2, 2), tmp_path)
+
+
+@pytest.mark.parametrize("case", ["embedding", "modules_to_save"])
+def test_lora_on_embeddings_and_modules_to_save_saves_as_peft_does(tmp_path, case):
+    """Merged: what merge_and_unload leaves, under its names; adapters only:
+    PEFT's own files, which load back into the same model."""
+    pytest.importorskip("peft")
+    import transformers
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    import sync_workers
+    model, kind = sync_workers.lora_variant(case)
+    rlhfz.save_pretrained(model, tmp_path / "merged")
+    rlhfz.save_pretrained(model, tmp_path / "adapters", adapters="only")
+    model.save_pretrained(tmp_path / "peft")
+    reference = model.merge_and_unload().state_dict()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert merged.state_dict().keys() == reference.keys()
+    for name, value in merged.state_dict().items():
+        assert torch.equal(value, reference[name]), name
+    ours, peft_own = (load_file(tmp_path / d / "adapter_model.safetensors")
+                      for d in ("adapters", "peft"))
+    assert ours.keys() == peft_own.keys()
+    assert all(torch.equal(ours[k], peft_own[k]) for k in ours)
+    again, _ = sync_workers.lora_variant(case)
+    loaded = PeftModel.from_pretrained(stage3_workers.tiny_lm(kind), tmp_path / "adapters")
+    with torch.no_grad():
+        assert torch.equal(loaded(stage3_workers.PROMPT).logits,
+                           again(stage3_workers.PROMPT).logits)

@@ -1,5 +1,7 @@
 """Weight sync from a stage-3 training group to plain receivers: ranks 0
 and 1 train, ranks 2 and 3 receive over a group of rank 0 and themselves."""
+import warnings
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -200,7 +202,8 @@ def test_lora_syncs_merged_and_adapters_alone():
 
 def test_a_hybrid_sharded_sender_inside_a_larger_job():
     """A 2x2 mesh of 4 of the job's 5 ranks (built on by its members alone)
-    sends to the fifth; only the sender's shard group gathers."""
+    sends to the fifth; only the sender's shard group gathers. A failed
+    sync of a stage-2 policy on the mesh raises on every rank."""
     results = run_ranks(workers.hybrid_sender, 5)
     for name, value in results[0]["whole"].items():
         assert torch.equal(results[4]["whole"][name], value), name
@@ -216,6 +219,9 @@ def test_a_hybrid_sharded_sender_inside_a_larger_job():
     assert dict(peer["sync_sent"], shard=dict(peer["sync_sent"]["shard"], gather=0)) == nothing
     for coords in [(0, 0), (1, 0), (1, 1)]:
         assert by_coords[coords]["sync_sent"] == nothing, coords
+    for rank, result in enumerate(results):
+        [error] = result["errors"]
+        assert "not in this model" in error, (rank, error)
 
 
 def test_a_sync_inside_generation_leaves_both_trainers_alike():
@@ -290,3 +296,126 @@ def test_only_what_is_packed_or_cast_takes_a_buffer():
             assert sum(b.nbytes for b in ranges) > 0.9 * total
         else:                       # cast on the way: every byte through a buffer
             assert not ranges
+
+
+def _net(groups=1):
+    """An embedding, a convolution and a linear layer, none of them transformers'."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(11, 8)
+            self.conv = torch.nn.Conv2d(8, 8, 3, groups=groups)
+            self.head = torch.nn.Linear(8, 5)
+    torch.manual_seed(0)
+    return Net()
+
+
+def test_a_merged_export_is_what_merge_and_unload_leaves_or_is_refused():
+    """LoRA on embeddings, convolutions and linear layers, and modules_to_save,
+    merged under merge_and_unload's names to the bit; what PEFT merges some
+    other way is refused, not left out."""
+    import copy
+    peft = pytest.importorskip("peft")
+    from rlhfz.lora_export import merged
+    from rlhfz.pretrained import export_entries
+    models = [workers.lora_variant(case)[0] for case in ("embedding", "modules_to_save")]
+    models.append(peft.get_peft_model(_net(), peft.LoraConfig(
+        r=2, target_modules=["emb", "conv", "head"], init_lora_weights=False)))
+    for model in models:
+        expected = copy.deepcopy(model).merge_and_unload().state_dict()
+        _, entries, _ = export_entries(None, model)
+        got = {name: merged(t, *merge) if merge else t for _, name, t, merge in entries}
+        # tied tensors go once, under their first name, as transformers saves them
+        assert got.keys() <= expected.keys() and len(entries) == len(
+            {t.data_ptr() for t in expected.values()})
+        for name, value in got.items():
+            assert torch.equal(value, expected[name]), name
+    refused = {
+        "LoRA variant": lambda: peft.get_peft_model(workers.tiny_lm("gpt2"), peft.LoraConfig(
+            r=2, target_modules=["c_fc"], fan_in_fan_out=True, use_dora=True)),
+        "ia3.layer.Linear": lambda: peft.get_peft_model(workers.tiny_lm("llama"), peft.IA3Config(
+            target_modules=["q_proj", "down_proj"], feedforward_modules=["down_proj"])),
+        "TrainableTokensWrapper": lambda: peft.get_peft_model(
+            workers.tiny_lm("llama"), peft.LoraConfig(
+                r=2, target_modules=["q_proj"], trainable_token_indices={"embed_tokens": [1]})),
+        "grouped convolution": lambda: peft.get_peft_model(
+            _net(groups=2), peft.LoraConfig(r=2, target_modules=["conv"])),
+        "MultiheadAttention": lambda: peft.get_peft_model(
+            torch.nn.Sequential(torch.nn.MultiheadAttention(8, 2)),
+            peft.LoraConfig(r=2, target_modules=["0"])),
+    }
+    for says, make in refused.items():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")          # PEFT's own, of layers it will not merge
+            model = make()
+        with pytest.raises(NotImplementedError, match=says) as caught:
+            export_entries(None, model)
+        assert "adapters='only'" in str(caught.value)
+
+
+def test_lora_on_embeddings_and_modules_to_save_syncs_as_merge_and_unload_leaves_it():
+    pytest.importorskip("peft")
+    sender, receiver = run_ranks(workers.sync_lora_layers, 2)
+    for case in ("embedding", "modules_to_save"):
+        assert receiver[case].keys() == sender[case].keys()
+        for name, value in sender[case].items():
+            assert torch.equal(receiver[case][name], value), (case, name)
+        adapters = case + " adapters"
+        assert receiver[adapters].keys() == sender[adapters].keys()
+        for name, value in sender[adapters].items():
+            assert torch.equal(receiver[adapters][name], value), (case, name)
+
+
+def test_a_receiver_that_cannot_be_written_is_refused_everywhere_and_the_group_goes_on():
+    sender, *receivers = run_ranks(workers.sync_into_unwritable, 3)
+    for errors in [sender["errors"]] + [r["errors"] for r in receivers]:
+        assert len(errors) == 3, errors
+        assert "meta device" in errors[0]
+        assert "inference_mode" in errors[1]
+        assert "unsharded model" in errors[2]
+    assert all("refused the manifest" in e for e in sender["errors"])
+    for receiver in receivers:
+        assert receiver["untouched"]
+        for name, value in sender["whole"].items():
+            assert torch.equal(receiver["whole"][name], value), name
+
+
+def test_a_sync_the_sender_refuses_fails_on_every_rank_at_once():
+    results = run_ranks(workers.sync_refused_by_the_sender, 3)
+    for rank, result in enumerate(results):
+        assert len(result["errors"]) == 2, (rank, result["errors"])
+        assert "bucket_bytes" in result["errors"][0] and "PEFT" in result["errors"][1]
+        assert max(result["seconds"][:2]) < 15, result["seconds"]      # not a timeout
+    assert all("the sender refused the sync" in e for e in results[2]["errors"])
+    for name, value in results[0]["whole"].items():
+        assert torch.equal(results[2]["whole"][name], value), name
+
+
+def test_a_side_that_never_joins_fails_the_other_within_the_collective_timeout():
+    sender, receiver = run_ranks(workers.sync_beside_an_absent_side, 2, timeout=120)
+    for waiting, absent in ((receiver, 0), (sender, 1)):
+        error, seconds = waiting[absent]
+        assert "RLHFZ_COLLECTIVE_TIMEOUT 4 s" in error, error
+        assert seconds < 3 * 4 + 2, seconds
+
+
+def test_every_trainer_raises_when_a_sync_fails_at_stages_1_and_2():
+    for rank, errors in enumerate(run_ranks(workers.sync_at_stages_1_and_2, 3)):
+        assert len(errors) == 2, (rank, errors)
+        assert all("not in this model" in e for e in errors), errors
+
+
+def test_a_sync_into_a_tensor_a_graph_saved_fails_its_backward():
+    """Straight into the tensor's memory, or through a buffer, as after
+    load_state_dict."""
+    _, receiver = run_ranks(workers.sync_under_a_graph, 2)
+    for error in receiver:
+        assert error is not None and "modified by an inplace operation" in error, error
+
+
+def test_a_compiled_model_syncs_under_its_own_names():
+    sender, receiver = run_ranks(workers.sync_compiled, 2)
+    for sent, got in zip(sender, receiver, strict=True):
+        assert got.keys() == sent.keys()
+        for name, value in sent.items():
+            assert torch.equal(got[name], value), name

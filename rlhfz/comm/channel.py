@@ -4,7 +4,9 @@ Weight sync runs over a process group of the sending trainer and the
 generation processes (OpenRLHF's model-update group), which rlhfz did not
 make and does not own. The channel keeps the sync's collectives in one
 place: small objects from the sender, every rank's verdict, and flat byte
-buckets, asynchronously, whose waits are cut off at rlhfz's timeout.
+buckets, asynchronously. Every wait is cut off at rlhfz's timeout: the
+group is the caller's, under its own (often 30-minute) timeout, and a side
+that failed before it took part must not leave the other waiting that long.
 """
 from __future__ import annotations
 
@@ -89,7 +91,7 @@ class BroadcastChannel:
             data = json.dumps(value, separators=(",", ":")).encode()
             head = len(data).to_bytes(_LENGTH_BYTES, "little") + data[:room]
             frame[:len(head)] = _as_tensor(head)
-        frame = self._broadcast(frame)
+        frame = self._broadcast(frame, "a weight-sync value")
         length = int.from_bytes(frame[:_LENGTH_BYTES].numpy().tobytes(), "little")
         if length > MAX_OBJECT_BYTES:
             raise CollectiveError(f"rank {dist.get_rank()}: rank {self.src} announced a "
@@ -97,20 +99,18 @@ class BroadcastChannel:
         tail = (_as_tensor(data[room:]) if sender else
                 torch.empty(max(0, length - room), dtype=torch.uint8))
         if tail.numel():
-            tail = self._broadcast(tail)
+            tail = self._broadcast(tail, "the rest of a weight-sync value")
         if sender:
             return value
         data = frame[_LENGTH_BYTES:_LENGTH_BYTES + min(length, room)].numpy().tobytes()
         return json.loads(data + tail.numpy().tobytes())
 
-    def _broadcast(self, host: torch.Tensor) -> torch.Tensor:
+    def _broadcast(self, host: torch.Tensor, what: str) -> torch.Tensor:
         """host's bytes from src, in host memory on every rank (through the
         group's device where that is not the CPU)."""
-        if self.device.type == "cpu":
-            dist.broadcast(host, src=self.src, group=self.group)
-            return host
-        moved = host.to(self.device)
-        dist.broadcast(moved, src=self.src, group=self.group)
+        moved = host if self.device.type == "cpu" else host.to(self.device)
+        _Sent(dist.broadcast(moved, src=self.src, group=self.group, async_op=True),
+              f"{what} from rank {self.src}").wait()
         return moved.cpu()
 
     def verdict(self, message: str | None) -> str | None:
@@ -118,7 +118,8 @@ class BroadcastChannel:
         One all-reduce of a flag when no rank has one; the messages go only
         where some rank does."""
         flag = torch.tensor([0 if message is None else 1], dtype=torch.int32, device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        _Sent(dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True),
+              "the weight-sync verdict").wait()
         if not int(flag.item()):
             return None
         # each rank's message as UTF-8 text in a frame (cut at MESSAGE_BYTES),
@@ -130,7 +131,8 @@ class BroadcastChannel:
             frame[1:1 + len(text)] = _as_tensor(text)
         frame = frame.to(self.device)
         everyone = [torch.empty_like(frame) for _ in self.ranks]
-        dist.all_gather(everyone, frame, group=self.group)
+        _Sent(dist.all_gather(everyone, frame, group=self.group, async_op=True),
+              "the weight-sync verdict's messages").wait()
         for rank, theirs in zip(self.ranks, everyone):
             theirs = theirs.cpu().numpy().tobytes()
             if theirs[0]:

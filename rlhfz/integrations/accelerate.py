@@ -14,6 +14,8 @@ import functools
 import torch
 from accelerate import Accelerator
 
+from ..optim import owning_optimizer
+
 
 def zero_optimizer(optimizer):
     """The ZeroAdamW under accelerate's (or anyone's) optimizer wrappers, or None."""
@@ -23,16 +25,6 @@ def zero_optimizer(optimizer):
         optimizer = getattr(optimizer, "optimizer", None)
         seen += 1
     return optimizer if isinstance(optimizer, ZeroAdamW) else None
-
-
-def owning_optimizer(model):
-    """The live ZeroAdamW that owns the model's params, or None."""
-    from ..optim import live_optimizers
-    ids = {id(p) for p in model.parameters()}
-    for opt in live_optimizers():
-        if any(id(p) in ids for group in opt.param_groups for p in group["params"]):
-            return opt
-    return None
 
 
 class ZeroAcceleratorMixin:
