@@ -264,14 +264,39 @@ static PyObject *call_dlpack(PyObject *obj, rlhfz_place place, void *stream)
 /* A capsule passed in by the caller stays the caller's, so a kernel only
  * borrows it; while it does (with the GIL released), the capsule carries
  * these names, so that no other consumer takes it and frees the memory
- * under the kernel. The names are restored when the borrow ends. */
+ * under the kernel. The names are restored when the borrow ends. The same
+ * capsule may be borrowed again by the thread that lent it (an in-place
+ * collective takes one array as send and recv), never consumed. Lends are
+ * recorded with their thread; the GIL guards the record. */
 #define LENT_NAME "rlhfz_lent_dltensor"
 #define LENT_NAME_VERSIONED "rlhfz_lent_dltensor_versioned"
+#define MAX_LENT 256
 
-static void lend_capsule(PyObject *capsule, int versioned)
+static struct { PyObject *capsule; unsigned long thread; } lent[MAX_LENT];
+static int lent_count;
+
+static int lent_here(PyObject *capsule)
 {
+    unsigned long thread = PyThread_get_thread_ident();
+    for (int i = 0; i < lent_count; i++)
+        if (lent[i].capsule == capsule && lent[i].thread == thread)
+            return 1;
+    return 0;
+}
+
+static int lend_capsule(PyObject *capsule, int versioned)
+{
+    if (lent_count == MAX_LENT) {
+        PyErr_Format(PyExc_BufferError, "more than %d DLPack capsules are lent to rlhfz "
+                     "calls at once; pass tensors rather than capsules", MAX_LENT);
+        return -1;
+    }
+    lent[lent_count].capsule = capsule;
+    lent[lent_count].thread = PyThread_get_thread_ident();
+    lent_count++;
     /* cannot fail: the capsule was just found valid under its own name */
     (void)PyCapsule_SetName(capsule, versioned ? LENT_NAME_VERSIONED : LENT_NAME);
+    return 0;
 }
 
 void rlhfz_borrow_end(PyObject *keepalive)
@@ -282,11 +307,20 @@ void rlhfz_borrow_end(PyObject *keepalive)
         (void)PyCapsule_SetName(keepalive, "dltensor");
     else if (PyCapsule_IsValid(keepalive, LENT_NAME_VERSIONED))
         (void)PyCapsule_SetName(keepalive, "dltensor_versioned");
+    else
+        return;
+    for (int i = 0; i < lent_count; i++) {
+        if (lent[i].capsule == keepalive) {
+            lent[i] = lent[--lent_count];
+            break;
+        }
+    }
 }
 
 /* Obtains a capsule from obj (or obj itself, if it is one) and its tensor. */
 static PyObject *open_capsule(PyObject *obj, const char *name, rlhfz_place place, void *stream,
-                              DLTensor **tensor, int *readonly, void **managed, int *versioned)
+                              DLTensor **tensor, int *readonly, void **managed, int *versioned,
+                              int borrow)
 {
     PyObject *capsule;
     if (PyCapsule_CheckExact(obj)) {
@@ -302,8 +336,12 @@ static PyObject *open_capsule(PyObject *obj, const char *name, rlhfz_place place
         if (capsule == NULL)
             return NULL;
     }
-    if (PyCapsule_IsValid(capsule, "dltensor_versioned")) {
-        DLManagedTensorVersioned *m = PyCapsule_GetPointer(capsule, "dltensor_versioned");
+    int again = borrow && (PyCapsule_IsValid(capsule, LENT_NAME) ||
+                           PyCapsule_IsValid(capsule, LENT_NAME_VERSIONED)) && lent_here(capsule);
+    const char *versioned_name = again ? LENT_NAME_VERSIONED : "dltensor_versioned";
+    const char *legacy_name = again ? LENT_NAME : "dltensor";
+    if (PyCapsule_IsValid(capsule, versioned_name)) {
+        DLManagedTensorVersioned *m = PyCapsule_GetPointer(capsule, versioned_name);
         if (m->version.major != RLHFZ_DLPACK_MAJOR_VERSION) {
             PyErr_Format(PyExc_BufferError,
                          "%s uses DLPack version %u.%u; rlhfz reads major version %d",
@@ -316,8 +354,8 @@ static PyObject *open_capsule(PyObject *obj, const char *name, rlhfz_place place
         *readonly = (m->flags & RLHFZ_DLPACK_FLAG_READ_ONLY) != 0;
         *managed = m;
         *versioned = 1;
-    } else if (PyCapsule_IsValid(capsule, "dltensor")) {
-        DLManagedTensor *m = PyCapsule_GetPointer(capsule, "dltensor");
+    } else if (PyCapsule_IsValid(capsule, legacy_name)) {
+        DLManagedTensor *m = PyCapsule_GetPointer(capsule, legacy_name);
         *tensor = &m->dl_tensor;
         *readonly = 0;
         *managed = m;
@@ -325,8 +363,8 @@ static PyObject *open_capsule(PyObject *obj, const char *name, rlhfz_place place
     } else if (PyCapsule_IsValid(capsule, LENT_NAME) ||
                PyCapsule_IsValid(capsule, LENT_NAME_VERSIONED)) {
         PyErr_Format(PyExc_BufferError, "%s is a DLPack capsule lent to an rlhfz call right "
-                     "now (given twice, or in use on another thread); pass each use its own "
-                     "capsule", name);
+                     "now (a kernel on another thread reads it, or this call borrows it and "
+                     "cannot also consume it); pass each use its own capsule", name);
         Py_DECREF(capsule);
         return NULL;
     } else if (PyCapsule_IsValid(capsule, "used_dltensor") ||
@@ -380,7 +418,7 @@ int rlhfz_array_from_object(rlhfz_state *state, PyObject *obj, const char *name,
     int readonly, versioned;
     void *managed;
     PyObject *capsule = open_capsule(obj, name, place, stream, &tensor, &readonly, &managed,
-                                     &versioned);
+                                     &versioned, 1);
     if (capsule == NULL)
         return -1;
     if (validate_tensor(tensor, name, place, flags & RLHFZ_BORROW_CODES, out) < 0) {
@@ -392,10 +430,12 @@ int rlhfz_array_from_object(rlhfz_state *state, PyObject *obj, const char *name,
         Py_DECREF(capsule);
         return -1;
     }
+    if (capsule == obj && !lent_here(capsule) && lend_capsule(capsule, versioned) < 0) {
+        Py_DECREF(capsule);
+        return -1;
+    }
     out->readonly = readonly;
     out->keepalive = capsule;
-    if (capsule == obj)
-        lend_capsule(capsule, versioned);
     return 0;
 }
 
@@ -411,7 +451,7 @@ int rlhfz_buffer_import_dlpack(rlhfz_Buffer *buffer, PyObject *obj)
     int readonly, versioned;
     void *managed;
     PyObject *capsule = open_capsule(obj, "tensor", RLHFZ_PLACE_HOST, NULL, &tensor, &readonly,
-                                     &managed, &versioned);
+                                     &managed, &versioned, 0);
     if (capsule == NULL)
         return -1;
     rlhfz_array array;
