@@ -360,3 +360,70 @@ def test_writes_and_a_cleared_state_reach_every_ranks_shard(stage):
                                        atol=1e-6)
             assert float(state[i]["step"]) == steps - edit_at
             assert torch.equal(p, state[i]["master_param"].bfloat16())
+
+
+# ---- what the state read out carries -------------------------------------------------
+
+def _edit_entries(model, opt):
+    first, second = list(model.parameters())[:2]
+    opt.state[first]["exp_avg"] = torch.full_like(opt.state[first]["exp_avg"], 0.25)
+    opt.state[second]["step"] = torch.tensor(7.0)
+    with torch.no_grad():
+        model[2].weight.fill_(0.5)             # reaches a 16-bit param's master
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_state_dicts_and_checkpoints_carry_the_edits_a_step_would_take(tmp_path, dtype,
+                                                                       state_dtype):
+    """state_dict() and save_checkpoint right after edits hold them, so a run
+    resumed from either goes on as the edited run does."""
+    runs = {}
+    for how in ("edited", "state_dict", "checkpoint"):
+        model = _model(dtype)
+        opt = rlhfz.ZeroAdamW(model, lr=1e-2, state_dtype=state_dtype, min_8bit_size=0)
+        for seed in range(2):
+            _backward(model, seed)
+            opt.step()
+            opt.zero_grad()
+        _edit_entries(model, opt)
+        if how == "state_dict":
+            saved = copy.deepcopy(opt.state_dict())
+            weights = {k: v.clone() for k, v in model.state_dict().items()}
+            model = _model(dtype, seed=1)
+            model.load_state_dict(weights)
+            opt = rlhfz.ZeroAdamW(model, lr=1e-2, state_dtype=state_dtype, min_8bit_size=0)
+            opt.load_state_dict(saved)
+        elif how == "checkpoint":
+            rlhfz.save_checkpoint(tmp_path, model, opt)
+            model = _model(dtype, seed=1)
+            opt = rlhfz.ZeroAdamW(model, lr=1e-2, state_dtype=state_dtype, min_8bit_size=0)
+            rlhfz.load_checkpoint(tmp_path, model, opt)
+        _backward(model, 5)
+        opt.step()
+        runs[how] = [p.detach().clone() for p in model.parameters()]
+    for how in ("state_dict", "checkpoint"):
+        for a, b in zip(runs[how], runs["edited"]):
+            assert torch.equal(a, b), how
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
+def test_writes_into_a_state_that_straddles_the_offload_split_are_read_out(tmp_path,
+                                                                           state_dtype):
+    results = {}
+    for options in ({}, {"offload": "cpu", "offload_ratio": 0.5}):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(1000))
+        opt = rlhfz.ZeroAdamW([p], state_dtype=state_dtype, min_8bit_size=0, **options)
+        for seed in range(2):
+            p.grad = torch.randn(1000, generator=torch.Generator().manual_seed(seed))
+            opt.step()
+        opt.state[p]["exp_avg"].zero_()
+        saved = opt.state_dict()["state"][0]["exp_avg"].clone()
+        rlhfz.save_checkpoint(tmp_path / str(len(options)), None, opt)
+        p.grad = torch.randn(1000, generator=torch.Generator().manual_seed(2))
+        opt.step()
+        results[len(options)] = (saved, p.detach().clone())
+    assert not results[0][0].any()
+    for a, b in zip(results[0], results[2]):
+        assert torch.equal(a, b)
