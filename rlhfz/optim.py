@@ -502,7 +502,7 @@ class ZeroAdamW(Optimizer):
         self.engine.step(plans, hparams)
         return loss
 
-    def _take_outside_writes(self) -> None:
+    def take_outside_writes(self) -> None:
         """Before the state is read out (state_dict, checkpoints): what was
         changed behind the optimizer since the last step, as a step would
         take it in: optimizer.state edits, values written into params (to
@@ -530,7 +530,7 @@ class ZeroAdamW(Optimizer):
         state_dtype (so torch's AdamW loads it). Across processes this is a
         collective (every rank calls it, and every rank gets the whole dict)."""
         self.synchronize()
-        self._take_outside_writes()
+        self.take_outside_writes()
         if self.comm is None and all(b.state_dtype == "fp32" for b in self.engine.buckets):
             return super().state_dict()
         if self.comm is not None:
@@ -556,7 +556,7 @@ class ZeroAdamW(Optimizer):
         elements sit, for one file per rank. Not a collective. Any world size
         reads a full set back with load_sharded_state_dict."""
         self.synchronize()
-        self._take_outside_writes()
+        self.take_outside_writes()
         groups = (super().state_dict()["param_groups"] if self.comm is None
                   else translate.packed_groups(self.param_groups))
         return translate.sharded_state(self.engine, self.param_groups, groups,

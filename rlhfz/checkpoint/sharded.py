@@ -180,7 +180,7 @@ def save_checkpoint(path, model, optimizer=None, client_state: dict | None = Non
         return
     _check_optimizer(optimizer)
     optimizer.synchronize()          # copies a non-blocking move left in flight
-    optimizer._take_outside_writes()
+    optimizer.take_outside_writes()
     path = os.fspath(path)
     comm = optimizer.comm
     try:
