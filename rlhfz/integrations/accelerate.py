@@ -50,7 +50,7 @@ class ZeroAcceleratorMixin:
         copies = {}
         for name, tensor in state_dict.items():
             if isinstance(tensor, torch.Tensor):
-                key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+                key = _view_key(tensor)
                 if key not in copies:
                     copies[key] = tensor.detach().clone()
                 state_dict[name] = copies[key]
