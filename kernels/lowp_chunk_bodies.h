@@ -95,6 +95,7 @@ typedef struct {
      * one reciprocal, and a v of 0 or Inf needs no special case */
     simd_f32 root_weight, eps_weight;
     simd_f32 smallest;   /* keeps a zero off the reciprocal square root */
+    simd_f32 one, huge;  /* min(v * huge * huge, one): 1 where v > 0, else 0 */
     int scaled;          /* grad_scale is not 1 */
     int still;           /* lr = 0: the master only decays */
 } lowp_vconsts;
@@ -112,6 +113,8 @@ SIMD_INLINE lowp_vconsts lowp_vconsts_of(const rlhfz_adamw_consts *c)
         .root_weight = simd_set1(still ? 1.0f : (float)(c->bias_correction2_rsqrt / step)),
         .eps_weight = simd_set1(still ? 1.0f : (float)(c->eps / step)),
         .smallest = simd_set1(1.17549435e-38f),
+        .one = simd_set1(1.0f),
+        .huge = simd_set1(0x1p100f),
         .scaled = c->grad_scale != 1.0f,
         .still = still,
     };
@@ -136,8 +139,10 @@ SIMD_INLINE simd_f32 lowp_step_vec(const rlhfz_adamw_lowp_shard *shard, const lo
     *m = simd_add(*m, simd_mul(k->beta1_weight, simd_sub(g, *m)));
     *v = simd_add(simd_mul(*v, k->beta2), simd_mul(simd_mul(k->beta2_weight, g), g));
 
-    /* the bias-corrected step, through reciprocal estimates */
-    simd_f32 r = simd_rsqrt_est(simd_max(*v, k->smallest));
+    /* the bias-corrected step, through reciprocal estimates (smallest
+     * first: a NaN v stays NaN, and steps the master to NaN as the
+     * reference does) */
+    simd_f32 r = simd_rsqrt_est(simd_max(k->smallest, *v));
     if (!k->still) {
         simd_f32 step = simd_mul(r, simd_rcp_est(simd_fmadd(k->eps_weight, r, k->root_weight)));
         p = simd_fnmadd(*m, step, p);
@@ -277,7 +282,9 @@ SIMD_INLINE simd_i32 sq_code_vec(simd_f32 x, int stochastic, simd_i32 random16)
 
 /* A block's codes against its new scales: exp_avg's position is
  * m * (encode * 127), rounded to nearest; exp_avg_sq's is
- * v^(1/4) * sqrt(sq_encode) * 255. */
+ * v^(1/4) * sqrt(sq_encode) * 255, and at least code 1's where v > 0
+ * (rlhfz_q_exp_avg_sq_code says why). A fourth root of a v > 0 is at least
+ * ~1e-11, so times 2^64 it is above any code's position. */
 SIMD_INLINE void int8_codes(const rlhfz_adamw_lowp_shard *shard,
                             size_t begin, size_t end, const float *moments,
                             const float *fourth_roots, float encode, float sq_encode,
@@ -289,11 +296,14 @@ SIMD_INLINE void int8_codes(const rlhfz_adamw_lowp_shard *shard,
     simd_f32 encode_vec = simd_set1(encode * top);
     float fixed = stochastic ? 65536.0f : 1.0f;   /* stochastic positions in 1/65536ths */
     simd_f32 sq_encode_vec = simd_set1(sqrtf(sq_encode) * sq_top * fixed);
+    simd_f32 code_one = simd_set1(fixed), above_any = simd_set1(0x1p64f);
     simd_i32 none = simd_i32_set1(0);
     random16_run run = random16_run_of(shard, begin, end);
     for (size_t i = begin; i < end; i += W) {
         simd_q_signed_store(codes + i, simd_mul(simd_loadu(moments + (i - begin)), encode_vec));
-        simd_f32 sq_x = simd_mul(simd_loadu(fourth_roots + (i - begin)), sq_encode_vec);
+        simd_f32 fourth = simd_loadu(fourth_roots + (i - begin));
+        simd_f32 sq_x = simd_mul(fourth, sq_encode_vec);
+        sq_x = simd_max(sq_x, simd_min(simd_mul(fourth, above_any), code_one));
         simd_i32 random16 = stochastic ? random16_next(shard, &run) : none;
         simd_q_unsigned_store(sq_codes + i, sq_code_vec(sq_x, stochastic, random16));
     }
@@ -324,9 +334,11 @@ SIMD_INLINE void int8_block(const rlhfz_adamw_lowp_shard *shard, const lowp_vcon
         simd_f32 root = simd_mul(simd_q_square_load(sq_codes + i), root_decode);
         simd_f32 v = simd_mul(root, root);
         simd_f32 r = lowp_step_vec(shard, k, i, grad_dtype, out, &m, &v);
-        r = simd_rsqrt_refine(simd_max(v, k->smallest), r);
+        r = simd_rsqrt_refine(simd_max(k->smallest, v), r);
+        /* 0 where v is: int8_codes keeps every other v off code 0 */
+        simd_f32 positive = simd_min(simd_mul(simd_mul(v, k->huge), k->huge), k->one);
         simd_storeu(moments + (i - begin), m);
-        simd_storeu(fourth_roots + (i - begin), simd_rsqrt_fine(r));
+        simd_storeu(fourth_roots + (i - begin), simd_mul(simd_rsqrt_fine(r), positive));
         largest = simd_max_bits(largest, simd_abs(m));
         v_largest = simd_max_bits(v_largest, v);
     }

@@ -192,13 +192,19 @@ static inline RLHFZ_HOST_DEVICE int8_t rlhfz_q_exp_avg_code(float m, float encod
 }
 
 /* exp_avg_sq's code, from its square root r (the step computes r anyway):
- * the square-root axis of r / scale. */
+ * the square-root axis of r / scale, and at least code 1 where r > 0. A
+ * block whose largest root is far above the rest (a grad spike that its
+ * exp_avg has long forgotten) puts an element's first small grads below
+ * half a code while their exp_avg keeps a code: read as 0, exp_avg_sq
+ * would step the element by exp_avg / eps. Code 1 reads exp_avg_sq larger
+ * than it is, which only shortens the step. */
 static inline RLHFZ_HOST_DEVICE uint8_t rlhfz_q_exp_avg_sq_code(float root, float encode,
                                                                 rlhfz_rounding rounding,
                                                                 uint32_t random16)
 {
     float x = rlhfz_mul_rn(rlhfz_sqrt_rn(rlhfz_mul_rn(root, encode)), RLHFZ_Q_EXP_AVG_SQ_MAX);
-    return (uint8_t)rlhfz_q_code(x, (int)RLHFZ_Q_EXP_AVG_SQ_MAX, rounding, random16);
+    int code = rlhfz_q_code(x, (int)RLHFZ_Q_EXP_AVG_SQ_MAX, rounding, random16);
+    return (uint8_t)(code == 0 && root > 0.0f ? 1 : code);
 }
 
 #endif /* RLHFZ_LOWP_STATE_H */

@@ -210,6 +210,26 @@ def test_load_state_dict_from_torch_quantizes_into_the_current_state_dtype(state
             assert bool((err <= bound).all()), name
 
 
+def test_a_loaded_exp_avg_sq_above_zero_never_reads_as_zero():
+    """Encoding a torch dict keeps the kernels' rule: an exp_avg_sq far below
+    its block's largest gets code 1, not 0 (which would step its element by
+    exp_avg / eps)."""
+    weight = torch.nn.Parameter(torch.zeros(4 * QBLOCK))
+    torch_opt = torch.optim.AdamW([weight])
+    weight.grad = torch.zeros_like(weight)
+    torch_opt.step()
+    sd = torch_opt.state_dict()
+    sq = sd["state"][0]["exp_avg_sq"]
+    sq[0], sq[1:QBLOCK] = 1e6, 1e-12          # roots 1e3 and 1e-6: position 0.008
+    sd["state"][0]["exp_avg"][1:QBLOCK] = 1e-3
+    opt = rlhfz.ZeroAdamW([torch.nn.Parameter(torch.zeros(4 * QBLOCK))], stage=0,
+                          state_dtype="int8", min_8bit_size=1000)
+    opt.load_state_dict(sd)
+    codes = next(iter(opt.state.values()))["exp_avg_sq"]
+    assert codes[0] == 255 and bool((codes[1:QBLOCK] == 1).all())
+    assert bool((codes[QBLOCK:] == 0).all())
+
+
 @pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
 def test_a_state_dict_round_trip_keeps_every_code(state_dtype):
     model = small_model()

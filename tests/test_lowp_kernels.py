@@ -124,7 +124,9 @@ def int8_encode(m, v, rounding, random16):
             sq_scales[b] = np.sqrt(vb).max()
             if sq_scales[b] > 0:
                 x = np.sqrt(np.sqrt(vb) / float(sq_scales[b])) * 255.0
-                sq_codes[s] = _code(x, 255.0, rounding, u_v[s]).astype(np.uint8)
+                q = _code(x, 255.0, rounding, u_v[s])
+                # a value above zero is never code 0
+                sq_codes[s] = np.where(vb > 0, np.maximum(q, 1), q).astype(np.uint8)
     return codes, sq_codes, scales, sq_scales
 
 
@@ -422,6 +424,49 @@ def test_a_nonfinite_block_reads_nan_and_leaves_the_others(level):
     m, _ = state.moments()
     assert np.isnan(m[QBLOCK:3 * QBLOCK]).all()
 
+
+
+@pytest.mark.parametrize("level", AVAILABLE)
+def test_a_block_read_as_nan_steps_its_master_to_nan_at_every_level(level):
+    """A finite grad whose square overflows exp_avg_sq leaves its block's
+    exp_avg_sq scale NaN (an int8 block cannot hold an Inf); the next step
+    reads NaN there, and every level steps those elements to NaN, as the
+    reference does, rather than to a finite value (the optimizer refuses
+    such a grad before the kernels: test_low_precision_states)."""
+    n = 2 * QBLOCK
+    state = State("int8", n, seed=2)
+    grad = torch.randn(n) * 1e-2
+    grad[QBLOCK + 9] = 1e21
+    state.step(grad, 2, simd=level)
+    assert state.sq_scales[1].isnan() and not state.scales[1].isnan()
+    state.step(torch.randn(n) * 1e-2, 3, simd=level)
+    assert bool(state.master[QBLOCK:].isnan().all())
+    assert not bool(state.master[:QBLOCK].isnan().any())
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("level", AVAILABLE)
+def test_a_small_exp_avg_sq_beside_an_old_spike_never_reads_as_zero(level, rounding):
+    """A grad spike leaves its block a large exp_avg_sq scale long after its
+    exp_avg decayed: elements' first small grads then sit below half an
+    exp_avg_sq code while their exp_avg keeps one. Read as zero, they would
+    step by exp_avg / eps (thousands of times torch's step); code 1 reads
+    exp_avg_sq larger, so they step less than torch, never more."""
+    state = State("int8", QBLOCK, seed=1)
+    for t in (state.master, state.exp_avg, state.exp_avg_sq, state.scales, state.sq_scales):
+        t.zero_()
+    m = v = p = np.zeros(QBLOCK)
+    for step in range(1, 101):
+        grad = torch.zeros(QBLOCK)
+        if step == 1:
+            grad[0] = 1000.0
+        if step == 80:
+            grad[5:200] = 1e-3
+        state.step(grad, step, rounding=rounding, seed=3, simd=level)
+        p, m, v = adamw_f64(p, m, v, grad.numpy(), step)
+    assert not np.any((state.exp_avg_sq.numpy() == 0) & (v > 0))
+    moved, want = np.abs(state.master[5:200].double().numpy()), np.abs(p[5:200])
+    assert np.all(moved <= 1.01 * want) and np.all(moved > 0.05 * want)
 
 
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])

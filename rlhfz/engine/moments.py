@@ -111,6 +111,8 @@ def encode(name: str, state_dtype: str, values: torch.Tensor, stored: torch.Tens
     else:                     # the square-root axis of the root
         x = (magnitude * encoder[:, None]).sqrt() * _f32(_TOP[name])
     codes = torch.minimum(torch.round(x), _f32(_TOP[name]))
+    if name == "exp_avg_sq":  # a value above zero never reads as zero (lowp_state.h)
+        codes = torch.where(magnitude > 0, codes.clamp(min=1.0), codes)
     codes = torch.where(finite[:, None], codes, torch.zeros(()))
     if name == "exp_avg":
         codes = torch.where(rows.signbit(), -codes, codes)
