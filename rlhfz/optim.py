@@ -17,7 +17,7 @@ from torch.optim import Optimizer
 
 from . import state_dict as translate
 from .comm import communicator_for
-from .engine import ShardEngine, backend_for, host_buffer
+from .engine import INT8_SQ_LIMIT, ShardEngine, backend_for, host_buffer
 from .module_zero_grad import unwatch as unwatch_zero_grad
 from .module_zero_grad import watch as watch_zero_grad
 from .optim_edits import StateEntries, check_group_params
@@ -102,7 +102,9 @@ class ZeroAdamW(Optimizer):
     grads are reduce-scattered within the group and their shards averaged
     across replicas, and params are gathered within the group only.
 
-    ``nonfinite`` says what a NaN or Inf grad does: "raise" (the default)
+    ``nonfinite`` says what a NaN or Inf grad does (or, in an int8
+    state_dtype group, a grad so large that exp_avg_sq would overflow, which
+    an int8 block cannot hold): "raise" (the default)
     raises NonFiniteGradError, "skip" skips the step; both leave params and
     state untouched, which takes one read of the grads before the update
     (free after clip_grad_norm_, which reads them anyway). None does no check,
@@ -433,7 +435,8 @@ class ZeroAdamW(Optimizer):
         # torch returns the norm in the grads' (promoted) dtype and clips in it
         dtypes = {p.bucket.dtype for p in plans if any(p.present)}
         dtype = functools.reduce(torch.promote_types, dtypes) if dtypes else torch.float32
-        self.engine.clip(plans, total, max_norm, dtype)
+        self.engine.clip(plans, total, max_norm, dtype,
+                         sumsq=total * total if norm_type == 2.0 else None)
         return torch.tensor(total, dtype=dtype, device=self.device)
 
     # torch.amp.GradScaler hands itself to step() (grad_scaler=), because
@@ -499,6 +502,21 @@ class ZeroAdamW(Optimizer):
                 f"non-finite gradient (NaN or Inf) in {len(bad)} parameter(s): "
                 f"{'; '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}. The step was not taken "
                 f"and no state changed; pass nonfinite='skip' to skip such steps instead.")
+        if self.nonfinite is not None:
+            overflow, bad = self.engine.int8_overflow(plans, hparams)
+            if overflow:
+                if self.nonfinite == "skip":
+                    self.skipped_steps += 1
+                    return loss
+                names = [self._describe_param(bucket, i) for bucket, i in bad]
+                where = "; ".join(names[:5]) + (" ..." if len(names) > 5 else "") \
+                    if names else "params on another rank"
+                raise NonFiniteGradError(
+                    f"a gradient so large that exp_avg_sq would pass "
+                    f"{INT8_SQ_LIMIT:.3g}, which state_dtype='int8' cannot hold (torch's fp32 "
+                    f"exp_avg_sq turns Inf there), in {where}. The step was not taken and no "
+                    f"state changed; clip the grads (clip_grad_norm_), keep these params in a "
+                    f"'fp32' or 'bf16' state_dtype group, or pass nonfinite='skip'.")
         self.engine.step(plans, hparams)
         return loss
 

@@ -63,3 +63,37 @@ def save_or_resume(rank, world_size, stage, state_dtype, path, resume):
         params = [p.detach().float().clone() for p in model.parameters()]
     return {"params": params,
             "state": {k: {n: v.clone() for n, v in e.items()} for k, e in state["state"].items()}}
+
+
+def huge_grad(rank, world_size, stage, nonfinite):
+    """One grad element (on the last rank's shard) so large that exp_avg_sq
+    would overflow int8's blocks: every rank refuses or skips the step
+    alike, and nothing changes anywhere."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 256)
+    opt = rlhfz.ZeroAdamW(model if stage == 3 else model.parameters(), stage=stage,
+                          state_dtype="int8", nonfinite=nonfinite)
+    x = torch.randn(8, 64)
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    opt.step()
+    before = opt.state_dict()["state"]
+    with rlhfz.gather_for_generation(model) if stage == 3 else _nothing():
+        params = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    hook = model.weight.register_hook(lambda g: g.index_put((torch.tensor([255]),
+                                                             torch.tensor([63])),
+                                                            torch.tensor(1e21)))
+    model(x).square().mean().backward()
+    hook.remove()
+    try:
+        opt.step()
+        outcome = "stepped"
+    except rlhfz.optim.NonFiniteGradError as error:
+        outcome = str(error)
+    after = opt.state_dict()["state"]
+    with rlhfz.gather_for_generation(model) if stage == 3 else _nothing():
+        same_params = all(torch.equal(p, q) for p, q in zip(params, model.parameters()))
+    same_state = all(torch.equal(before[k][n], after[k][n]) for k in before for n in before[k])
+    return {"outcome": outcome, "same": same_params and same_state,
+            "skipped": opt.skipped_steps}

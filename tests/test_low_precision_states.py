@@ -264,6 +264,70 @@ def test_a_nonfinite_grad_is_refused_before_any_code_changes():
         assert torch.equal(value, codes[name])
 
 
+def _int8_linear(**options):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 256)
+    opt = rlhfz.ZeroAdamW(model.parameters(), stage=0, state_dtype="int8", **options)
+    train_linear(model, opt)
+    return model, opt
+
+
+def train_linear(model, opt, big=None, clip=None):
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(4))
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    if big is not None:
+        model.weight.grad[200, 7] = big
+    if clip is not None:
+        opt.clip_grad_norm_(clip)
+    opt.step()
+
+
+def test_a_grad_that_would_overflow_int8_exp_avg_sq_is_refused_before_any_change():
+    """torch's fp32 exp_avg_sq turns Inf at such a grad and stops that
+    element; an int8 block's scale cannot hold an Inf and would stop the
+    whole block (NaN), so the step is refused, like a NaN grad."""
+    model, opt = _int8_linear()
+    state = {k: v.clone() for k, v in opt.state[model.weight].items()}
+    weight = model.weight.detach().clone()
+    with pytest.raises(rlhfz.optim.NonFiniteGradError,
+                       match=r"exp_avg_sq would pass .* param_groups\[0\]\['params'\]\[0\]"):
+        train_linear(model, opt, big=1e21)
+    assert torch.equal(model.weight, weight)
+    for name, value in opt.state[model.weight].items():
+        assert torch.equal(value, state[name])
+    model, opt = _int8_linear(nonfinite="skip")
+    weight = model.weight.detach().clone()
+    train_linear(model, opt, big=1e21)
+    assert opt.skipped_steps == 1 and torch.equal(model.weight, weight)
+
+
+def test_a_large_grad_that_int8_holds_or_a_clip_brings_down_steps():
+    model, opt = _int8_linear()
+    train_linear(model, opt, big=2e19)      # exp_avg_sq 4e35: large, and held
+    assert bool(model.weight.isfinite().all())
+    assert bool(opt.state[model.weight]["exp_avg_sq_scale"].isfinite().all())
+    model, opt = _int8_linear()
+    train_linear(model, opt, big=1e21, clip=1.0)
+    assert bool(model.weight.isfinite().all())
+    assert bool(opt.state[model.weight]["exp_avg_sq_scale"].isfinite().all())
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("nonfinite", ["raise", "skip"])
+def test_every_rank_refuses_a_grad_int8_cannot_hold_on_one_rank(stage, nonfinite):
+    results = run_ranks(workers.huge_grad, 2, stage, nonfinite)
+    for rank, result in enumerate(results):
+        assert result["same"], rank
+        if nonfinite == "skip":
+            assert result["outcome"] == "stepped" and result["skipped"] == 1
+        else:
+            assert "exp_avg_sq would pass" in result["outcome"]
+    if nonfinite == "raise":
+        assert "on another rank" in results[0]["outcome"]
+        assert "params'][0]" in results[1]["outcome"]
+
+
 @pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
 def test_training_follows_fp32_moments_closely(state_dtype):
     base = small_model()

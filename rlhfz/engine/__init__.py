@@ -14,7 +14,7 @@ Nothing here imports torch.optim or another rlhfz module above it.
 from .backends import (DTYPE_NAMES, CudaBackend, HostBackend, SimulatedCudaBackend, backend_for,
                        torch_view)
 from .bucket import Bucket
-from .engine import BucketPlan, ShardEngine
+from .engine import INT8_SQ_LIMIT, BucketPlan, ShardEngine
 from .frozen_bucket import FrozenBucket
 from .host_memory import PinnedPool, host_buffer, pin_budget, release_pinned
 from .layout import (ALIGN_BYTES, MIN_BUCKET_BYTES, BucketLayout, ShardLayout, Slot,
@@ -25,7 +25,7 @@ from .moments import (QBLOCK, STATE_DTYPES, STORED_MAPS, layout_block, region_dt
 from .state import STATE_NAMES, ShardState
 from .storage import REGIONS, FlatStorage
 
-__all__ = ["ALIGN_BYTES", "Bucket", "BucketLayout", "BucketPlan", "CudaBackend", "DTYPE_NAMES",
+__all__ = ["ALIGN_BYTES", "INT8_SQ_LIMIT", "Bucket", "BucketLayout", "BucketPlan", "CudaBackend", "DTYPE_NAMES",
            "FlatStorage", "FrozenBucket", "HostBackend", "MIN_BUCKET_BYTES", "PinnedPool", "QBLOCK",
            "REGIONS", "STATE_DTYPES", "STATE_NAMES", "STORED_MAPS", "ShardEngine", "ShardLayout",
            "ShardState",

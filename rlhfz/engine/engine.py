@@ -19,6 +19,12 @@ from .backends import DTYPE_NAMES, HostBackend
 from .bucket import Bucket
 from .layout import split_by_bytes, stage2_bucket_bytes
 
+# The largest exp_avg_sq an int8 bucket lets a step reach: a block's scale
+# (its largest root) cannot hold an Inf, and below half of fp32's range,
+# beta2 * v + (1 - beta2) * g^2 <= max(v, g^2) keeps every later step below
+# the top too.
+INT8_SQ_LIMIT = float(torch.finfo(torch.float32).max) / 2
+
 
 @dataclass
 class BucketPlan:
@@ -86,6 +92,9 @@ class ShardEngine:
         # scale; anything else that reads or adds to those grads applies it
         # first (settle_grads), as does the reducer before new grads come.
         self._pending_clip: tuple[list, float] | None = None
+        # The sum of squares of the grads as the next step reads them (clip
+        # included), over all ranks, from the last check; None: not known.
+        self._step_sumsq: float | None = None
 
     def use_reducer(self, reducer) -> None:
         """Grads go to the reducer from now on (before any bucket exists)."""
@@ -157,11 +166,13 @@ class ShardEngine:
     def grads_changed(self) -> None:
         """Grads were written outside a step: the next step checks them again."""
         self._finite_versions = None
+        self._step_sumsq = None
 
     # ---- grads -----------------------------------------------------------------------
 
     def zero_grads(self, set_to_none: bool) -> None:
         self._finite_versions = None
+        self._step_sumsq = None
         self._pending_clip = None        # the grads it scaled are gone
         if self.reducer is not None:
             self.reducer.zero()          # stage 2 holds no full grads: the shards start over
@@ -181,6 +192,7 @@ class ShardEngine:
             return
         self.settle_grads()              # a clip of the grads that stay applies to them alone
         self._finite_versions = None
+        self._step_sumsq = None
         for bucket, index in hits:
             self.reducer.zero_param(bucket, index)
 
@@ -307,6 +319,7 @@ class ShardEngine:
         total = self.backend.sumsq(self._grad_views(plans))
         if self.comm is not None:
             total = self.comm.all_reduce_sum_host(total)
+        self._step_sumsq = total
         return total
 
     def scale_grads(self, plans, factor: float) -> None:
@@ -342,11 +355,13 @@ class ShardEngine:
             local = self.comm.all_reduce_sum_host(local)
         return local ** (1.0 / norm_type)
 
-    def clip(self, plans, total: float, max_norm: float, dtype: torch.dtype) -> None:
+    def clip(self, plans, total: float, max_norm: float, dtype: torch.dtype,
+             sumsq: float | None = None) -> None:
         """Scales grads of global norm `total` as torch.nn.utils.clip_grad_norm_
         does: by max_norm / (total + 1e-6), at most 1, computed in the norm's
         dtype (the grads' promoted one). A NaN norm makes every grad NaN and
-        an infinite one zeroes them (an Inf grad becomes NaN), as in torch."""
+        an infinite one zeroes them (an Inf grad becomes NaN), as in torch.
+        sumsq: the grads' sum of squares (of a 2-norm), or None."""
         norm = torch.tensor(total, dtype=dtype)
         coef = float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
         if coef < 1.0 and self.reducer is not None and math.isfinite(total):
@@ -359,6 +374,7 @@ class ShardEngine:
         # The C kernels leave torch's version counters alone, so these record
         # the grads exactly as checked: an unchanged step skips its own check.
         self._finite_versions = self._grad_versions() if math.isfinite(total) else None
+        self._step_sumsq = None if sumsq is None else sumsq * min(coef, 1.0) ** 2
 
     def grads_finite(self, plans) -> bool:
         if self._finite_versions is not None and self._finite_versions == self._grad_versions():
@@ -378,6 +394,39 @@ class ShardEngine:
                 if has_grad and not math.isfinite(self.backend.sumsq([grad])):
                     bad.append((bucket, i))
         return bad
+
+    def int8_overflow(self, plans, hparams: list[dict]) -> tuple[bool, list[tuple[Bucket, int]]]:
+        """Whether this step would carry an int8 bucket's exp_avg_sq past
+        INT8_SQ_LIMIT on any rank (a collective when the grads are that
+        large), and (bucket, index) of this rank's params it would. Torch's
+        fp32 exp_avg_sq would turn Inf there and stop those elements; an
+        int8 block's scale would turn NaN and stop all of its elements."""
+        if not any(p.bucket.state_dtype == "int8" for p in plans):
+            return False, []
+        total = self._step_sumsq if self._step_sumsq is not None else self.sumsq(plans)
+        if total <= INT8_SQ_LIMIT:    # no grad's square is larger than the sum of all
+            return False, []
+        self.settle_grads()
+        bad = []
+        for plan in plans:
+            bucket = plan.bucket
+            if bucket.state_dtype != "int8":
+                continue
+            beta2 = hparams[bucket.group_index]["beta2"]
+            for i, has_grad in enumerate(plan.present):
+                a, b = bucket.shard.local[i]
+                if not has_grad or a == b:
+                    continue
+                grad = bucket.grad_views[i] if self.comm is None else bucket.flat_grad_shard[a:b]
+                grad = grad.detach().reshape(-1).to("cpu", torch.float64)
+                v = bucket.state.read("exp_avg_sq", i).to(torch.float64)
+                if bool((beta2 * v + (1.0 - beta2) * grad * grad > INT8_SQ_LIMIT).any()):
+                    bad.append((bucket, i))
+        if self.comm is None:
+            return bool(bad), bad
+        flag = torch.tensor([1.0 if bad else 0.0], dtype=torch.float64)
+        self.comm.all_reduce_max_control(flag, "the int8 exp_avg_sq check")
+        return bool(flag.item()), bad
 
     # ---- the step ----------------------------------------------------------------
 
@@ -424,6 +473,7 @@ class ShardEngine:
         for work in gathers:
             work.wait()
         self._finite_versions = None
+        self._step_sumsq = None
 
     def _count_steps(self, bucket: Bucket, plan: BucketPlan) -> None:
         """Step counts advance for every param with a grad, also those whose
