@@ -255,6 +255,9 @@ static PyObject *Buffer_copy_from(rlhfz_Buffer *self, PyObject *const *args, Py_
                      src->device, self->device);
         return NULL;
     }
+    if ((src->tier == RLHFZ_TIER_DISK && rlhfz_disk_check(src->fd, src->mapped, src->path) < 0) ||
+        (self->tier == RLHFZ_TIER_DISK && rlhfz_disk_check(self->fd, self->mapped, self->path) < 0))
+        return NULL;
     int device = self->tier == RLHFZ_TIER_DEVICE ? self->device
                  : src->tier == RLHFZ_TIER_DEVICE ? src->device : -1;
     if (rlhfz_tier_copy_on(self->data, src->data, self->nbytes, device, stream, !non_blocking) < 0)

@@ -20,6 +20,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/random.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #define NAME_RANDOM_BYTES 16
@@ -135,6 +136,31 @@ int rlhfz_disk_release_pages(void *data, size_t nbytes)
     Py_END_ALLOW_THREADS
     if (rc != 0) {
         PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    return 0;
+}
+
+int rlhfz_disk_check(int fd, size_t nbytes, const char *path)
+{
+    struct stat info;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = fstat(fd, &info);
+    Py_END_ALLOW_THREADS
+    if (rc != 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    /* A page past the end of a shortened file is a SIGBUS, not an error */
+    if ((unsigned long long)info.st_size < (unsigned long long)nbytes) {
+        PyObject *name = PyUnicode_DecodeFSDefault(path != NULL ? path : "?");
+        if (name != NULL) {
+            PyErr_Format(PyExc_OSError, "the disk buffer's file %U has %lld bytes, not its %zu: "
+                         "something outside rlhfz shortened it, and the bytes past its end "
+                         "are gone; nothing was copied", name, (long long)info.st_size, nbytes);
+            Py_DECREF(name);
+        }
         return -1;
     }
     return 0;

@@ -94,6 +94,9 @@ void rlhfz_finish_deferred_releases(void);
  * Each returns 0, or -1 with an OSError naming the file and the cause. */
 int rlhfz_disk_alloc(const char *dir, size_t nbytes, void **data, int *fd, char **path);
 void rlhfz_disk_free(void *data, size_t nbytes, int fd, char *path);
+/* 0 if the file still holds nbytes (OSError and -1 if not: reading the
+ * mapping past a shortened file's end would kill the process) */
+int rlhfz_disk_check(int fd, size_t nbytes, const char *path);
 int rlhfz_disk_release_pages(void *data, size_t nbytes);
 
 /* memory_tiers.c: allocation, release, zeroing and copies per tier. Each

@@ -140,7 +140,7 @@ def move_buckets(engine, kinds, allocate, to_home: bool = False, to: str = "cpu"
     _report_held(olds, engine)
     if done is not None:
         for _, old in olds:
-            PinnedPool.give(old, done)
+            PinnedPool.give(old, done, engine)
         # copies in flight still read the old buffers
         backend.release_after([old for _, old in olds], done)
 

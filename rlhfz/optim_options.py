@@ -94,7 +94,8 @@ def check_engine_options(stage, offload, offload_ratio, pin_memory, nonfinite,
         raise ValueError(f"offload must be None or 'cpu', not {offload!r}")
     if not (isinstance(offload_ratio, (int, float)) and 0.0 <= offload_ratio <= 1.0):
         raise ValueError(f"offload_ratio must be a number in [0, 1], not {offload_ratio!r}")
-    if pin_memory not in (True, False, "auto"):
+    # `is`: 0, 1.0 or a numpy bool compare equal to a bool but are none
+    if not (pin_memory is True or pin_memory is False or pin_memory == "auto"):
         raise ValueError(f"pin_memory must be True, False or 'auto', not {pin_memory!r}")
     if nonfinite not in ("raise", "skip", None):
         raise ValueError(f"nonfinite must be 'raise', 'skip' or None, not {nonfinite!r}")

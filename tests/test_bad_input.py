@@ -109,6 +109,8 @@ def test_failed_add_param_group_leaves_optimizer_and_model_alone():
     ({"offload": "gpu"}, "offload"),
     ({"offload_ratio": 1.5}, "offload_ratio"),
     ({"pin_memory": "sometimes"}, "pin_memory"),
+    ({"pin_memory": 0}, "pin_memory"),        # == False, but would pin without a budget
+    ({"pin_memory": 1.0}, "pin_memory"),
     ({"nonfinite": "ignore"}, "nonfinite"),
     ({"reduce_dtype": torch.float16}, "reduce_dtype"),
 ])

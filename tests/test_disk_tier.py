@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+import rlhfz
 from rlhfz import _C
 from state_snapshots import resident_kib
 
@@ -100,3 +101,28 @@ def test_large_copies_split_over_threads_copy_every_byte(tmp_path, nbytes):
     back = _C.Buffer(nbytes, zero=False)
     back.copy_from(dst)
     assert np.array_equal(np.from_dlpack(back.view("float16")).view(np.uint16), words)
+
+
+def test_a_shortened_file_is_an_oserror_not_a_crash(tmp_path):
+    """Reading a mapping past its file's end kills the process (SIGBUS):
+    a copy checks the file first."""
+    disk = _C.Buffer(3 * 4096, "disk", path=tmp_path)
+    host = _C.Buffer(3 * 4096)
+    os.truncate(disk.path, 4096)
+    for copy in (lambda: host.copy_from(disk), lambda: disk.copy_from(host)):
+        with pytest.raises(OSError, match="shortened it"):
+            copy()
+
+
+def test_reload_from_a_shortened_offload_file_raises_and_stays_offloaded(tmp_path):
+    model = torch.nn.Linear(64, 64)
+    opt = rlhfz.ZeroAdamW(model.parameters(), stage=0)
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    opt.offload(to="disk", path=tmp_path)
+    placement = opt.placement()
+    for name in os.listdir(tmp_path):
+        os.truncate(tmp_path / name, 0)
+    with pytest.raises(OSError, match="shortened it"):
+        opt.reload()
+    assert opt.placement() == placement

@@ -7,6 +7,7 @@ while the state is on disk and the files go on reload; a view held outside
 is reported; and failures (no room, an unwritable directory, a failed
 allocation) leave everything where it was.
 """
+import gc
 import itertools
 import os
 import warnings
@@ -386,3 +387,39 @@ def test_auto_pinning_stops_at_its_budget(monkeypatch):
     assert buffer.tier == "host" and fake.pinned_asks == 0      # not even tried
     monkeypatch.delenv("RLHFZ_PIN_BUDGET_BYTES")
     assert 0 < host_memory.pin_budget() <= host_memory._available_ram()
+
+
+@pytest.mark.parametrize("value", ["abc", "1e9", "8M", "-5"])
+def test_a_bad_pin_budget_names_its_variable(monkeypatch, value):
+    monkeypatch.setenv("RLHFZ_PIN_BUDGET_BYTES", value)
+    with pytest.raises(ValueError, match="RLHFZ_PIN_BUDGET_BYTES must be .*" + value):
+        host_memory.pin_budget()
+
+
+def test_each_optimizer_after_a_release_hears_of_its_fall_back(monkeypatch):
+    monkeypatch.setattr(host_memory, "_C", _PinningRefused(host_memory._C))
+    monkeypatch.setattr(host_memory.PinnedPool, "noticed", False)
+    for _ in range(2):
+        with pytest.warns(RuntimeWarning, match="pageable"):
+            host_memory.host_buffer(4096, True)
+        host_memory.release_pinned()       # what an optimizer's close() does
+
+
+def test_pinned_buffers_pooled_for_a_dropped_optimizer_are_unpinned():
+    """reload() pools the pinned buffers it emptied for the next offload;
+    an optimizer dropped without close() must not leave them pinned."""
+    class Pinned:
+        tier, exports, nbytes = "pinned", 0, 4096
+
+    class Engine:
+        pass
+
+    kept, dropped = Engine(), Engine()
+    base = host_memory.PinnedPool.pooled()
+    host_memory.PinnedPool.give(Pinned(), None, kept)
+    host_memory.PinnedPool.give(Pinned(), None, dropped)
+    assert host_memory.PinnedPool.pooled() == base + 8192
+    del dropped
+    gc.collect()
+    assert host_memory.PinnedPool.pooled() == base + 4096
+    assert host_memory.PinnedPool.take(4096) is not None

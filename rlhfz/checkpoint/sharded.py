@@ -222,6 +222,7 @@ def save_checkpoint(path, model, optimizer=None, client_state: dict | None = Non
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     error = None
+    optimizer.engine.release_disk_pages()    # what the writes read stays on disk
     if leads(optimizer):
         try:
             index["generation"] = f"g-{token}"
@@ -393,6 +394,7 @@ def load_checkpoint(path, model, optimizer=None):
     finally:
         for tf in files.values():
             tf.close()
+        optimizer.engine.release_disk_pages()    # state offloaded to disk stays there
     return index.get("client_state")
 
 

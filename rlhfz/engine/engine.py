@@ -163,6 +163,15 @@ class ShardEngine:
         if self.on_state is not None:
             self.on_state(bucket, index, None)
 
+    def release_disk_pages(self) -> None:
+        """Drops from this process the pages of state offloaded to disk that
+        a read or a write since (a checkpoint) brought in; the files keep
+        the bytes."""
+        for bucket in self.buckets:
+            for _, _, buffer in bucket.storage.movable(("params", "grads", "optimizer")):
+                if buffer.tier == "disk":
+                    buffer.release_pages()
+
     def grads_changed(self) -> None:
         """Grads were written outside a step: the next step checks them again."""
         self._finite_versions = None

@@ -38,7 +38,16 @@ def pin_budget() -> int:
     if soft != resource.RLIM_INFINITY:
         budget = min(budget, int(DEFAULT_PIN_FRACTION * soft))
     override = os.environ.get("RLHFZ_PIN_BUDGET_BYTES")
-    return int(override) if override else budget
+    if not override:
+        return budget
+    try:
+        value = int(override)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"RLHFZ_PIN_BUDGET_BYTES must be a whole number of bytes >= 0, "
+                         f"not {override!r}")
+    return value
 
 
 class PinnedPool:
@@ -53,10 +62,12 @@ class PinnedPool:
     done. The pool counts against the pin budget like any pinned buffer (an
     offload it leaves no room for goes to pageable memory: unpinning would
     wait for the device, which a non-blocking offload must not);
-    rlhfz.release_pinned() and the optimizer's close() empty it."""
+    rlhfz.release_pinned() and the optimizer's close() empty it, and an
+    optimizer dropped without close() takes the buffers it gave with it."""
 
     buffers: "weakref.WeakSet" = weakref.WeakSet()
-    pool: dict[int, list[tuple]] = {}          # nbytes -> [(buffer, event or None)]
+    pool: dict[int, list[tuple]] = {}          # nbytes -> [(buffer, event or None, giver)]
+    givers: set[int] = set()                   # id()s of the living givers
     noticed = False
 
     @classmethod
@@ -66,29 +77,46 @@ class PinnedPool:
     @classmethod
     def take(cls, nbytes: int):
         entries = cls.pool.get(nbytes, [])
-        for i, (buffer, event) in enumerate(entries):
+        for i, (buffer, event, _) in enumerate(entries):
             if event is None or event.query():
                 del entries[i]
                 return buffer
         return None
 
     @classmethod
-    def give(cls, buffer, event) -> None:
-        if buffer.tier == "pinned" and buffer.exports == 0 and POOL_PINNED:
-            cls.pool.setdefault(buffer.nbytes, []).append((buffer, event))
+    def give(cls, buffer, event, giver) -> None:
+        """Pools a pinned buffer until the giver (an engine) goes."""
+        if buffer.tier != "pinned" or buffer.exports != 0 or not POOL_PINNED:
+            return
+        key = id(giver)
+        cls.pool.setdefault(buffer.nbytes, []).append((buffer, event, key))
+        if key not in cls.givers:
+            cls.givers.add(key)
+            weakref.finalize(giver, cls._drop, key)
+
+    @classmethod
+    def _drop(cls, key: int) -> None:
+        """The pooled buffers of a giver that is gone (copies still reading
+        one keep it alive until their event: migrate's release_after)."""
+        cls.givers.discard(key)
+        for nbytes in list(cls.pool):
+            cls.pool[nbytes] = [entry for entry in cls.pool[nbytes] if entry[2] != key]
+            if not cls.pool[nbytes]:
+                del cls.pool[nbytes]
 
     @classmethod
     def pooled(cls) -> int:
-        return sum(b.nbytes for entries in cls.pool.values() for b, _ in entries)
+        return sum(b.nbytes for entries in cls.pool.values() for b, _, _ in entries)
 
     @classmethod
     def release(cls) -> None:
         """Unpins the pool (after the copies that last read it)."""
         for entries in cls.pool.values():
-            for _, event in entries:
+            for _, event, _ in entries:
                 if event is not None:
                     event.synchronize()
         cls.pool.clear()
+        cls.noticed = False        # the next optimizer to fall back hears it too
 
     @classmethod
     def notice(cls, text: str) -> None:
