@@ -41,6 +41,12 @@ def policy():
         pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True))
 
 
+def whole_params(model):
+    """Copies of the params, whole (gathered under stage 3: a collective)."""
+    with rlhfz.gather_for_generation(model):
+        return [p.detach().clone() for p in model.parameters()]
+
+
 def even_words(completions, **kwargs):
     return [float(sum(1 for w in c.split() if w[1:].isdigit() and int(w[1:]) % 2 == 0))
             for c in completions]
@@ -55,8 +61,9 @@ def main():
         pass
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    scratch = tempfile.TemporaryDirectory(prefix="grpo-tiny-")     # nothing is saved there
     args = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="grpo-tiny-"), per_device_train_batch_size=8 // world,
+        output_dir=scratch.name, per_device_train_batch_size=8 // world,
         num_generations=4, max_completion_length=8, max_steps=int(os.environ.get("GRPO_STEPS", 6)),
         logging_steps=1, report_to="none", bf16=False, use_cpu=True, save_strategy="no",
         gradient_checkpointing=False, beta=0.0, learning_rate=1e-3, seed=0,
@@ -69,11 +76,14 @@ def main():
     trainer = ZeroGRPOTrainer(model=model, reward_funcs=even_words, args=args,
                               train_dataset=dataset, processing_class=tokenizer(),
                               optimizers=(opt, None), rlhfz_sleep=True)
+    initial = whole_params(model)
     result = trainer.train()
+    moved = max(float((p - q).abs().max()) for p, q in zip(whole_params(model), initial))
     if trainer.args.process_index == 0:
         print(f"grpo_tiny: {result.global_step} steps on {world} rank(s), stage {opt.stage}, "
-              f"loss {result.training_loss:.4g}, {result.metrics['train_runtime']:.1f} s",
-              flush=True)
+              f"loss {result.training_loss:.4g}, params moved by up to {moved:.3g}, "
+              f"{result.metrics['train_runtime']:.1f} s", flush=True)
+    scratch.cleanup()
     # The process groups go before the interpreter does: torch's gloo threads
     # torn down during finalization can abort the process after a good run.
     opt.close()

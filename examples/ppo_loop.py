@@ -34,6 +34,12 @@ def policy():
         pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True))
 
 
+def whole_params(model):
+    """Copies of the params, whole (gathered under stage 3: a collective)."""
+    with rlhfz.gather_for_generation(model):
+        return [p.detach().clone() for p in model.parameters()]
+
+
 def completion_logps(model, ids, prompt_len):
     logits = model(input_ids=ids).logits[:, prompt_len - 1:-1].float()
     return torch.log_softmax(logits, -1).gather(-1, ids[:, prompt_len:, None]).squeeze(-1)
@@ -48,14 +54,17 @@ def main(iterations=int(os.environ.get("PPO_ITERATIONS", "6")), epochs=2, clip=0
     opt = rlhfz.ZeroAdamW(model, lr=3e-3, weight_decay=0.0, stage=3 if world > 1 else 2,
                           param_persistence_threshold=64)
     gen = torch.Generator().manual_seed(100 + rank)
+    initial = whole_params(model)
     start = time.perf_counter()
     for it in range(iterations):
         prompts = torch.randint(3, VOCAB, (BATCH, PROMPT_LEN), generator=gen)
         model.eval()
         with rlhfz.offloaded(model, opt, what=("optimizer", "grads")), \
                 rlhfz.gather_for_generation(model, enabled=True), torch.no_grad():
+            # top_k=0: from the whole distribution (transformers' default, 50,
+            # would cut off part of what the policy gradient assumes is drawn)
             ids = model.generate(prompts, attention_mask=torch.ones_like(prompts),
-                                 do_sample=True, max_new_tokens=NEW_TOKENS,
+                                 do_sample=True, top_k=0, top_p=1.0, max_new_tokens=NEW_TOKENS,
                                  min_new_tokens=NEW_TOKENS, pad_token_id=0)
             old = completion_logps(model, ids, PROMPT_LEN)
         reward = (ids[:, PROMPT_LEN:] % 2 == 0).float().mean(1)
@@ -75,9 +84,11 @@ def main(iterations=int(os.environ.get("PPO_ITERATIONS", "6")), epochs=2, clip=0
             mean_reward = opt.comm.all_reduce_sum_host(mean_reward) / world
         if rank == 0:
             print(f"iteration {it}: reward {mean_reward:.3f} loss {loss.item():+.4f}", flush=True)
+    moved = max(float((p - q).abs().max()) for p, q in zip(whole_params(model), initial))
     if rank == 0:
         print(f"ppo_loop: {iterations} iterations on {world} rank(s), stage {opt.stage}, "
-              f"{time.perf_counter() - start:.1f} s", flush=True)
+              f"params moved by up to {moved:.3g}, {time.perf_counter() - start:.1f} s",
+              flush=True)
     opt.close()            # its process groups, before the default one goes
     if world > 1:
         dist.destroy_process_group()

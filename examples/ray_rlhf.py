@@ -22,6 +22,7 @@ group-normalized advantages and a KL penalty. At the end the engine's
 logits are checked against the policy's own.
 """
 import argparse
+import datetime
 import os
 import socket
 import time
@@ -82,11 +83,18 @@ class GroupMember:
         import torch.distributed as dist
         torch.set_num_threads(1)
         os.environ.setdefault("RLHFZ_COLLECTIVE_TIMEOUT", "120")
-        dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world)
+        # rlhfz waits on a group of some ranks under that group's own
+        # timeout (torch's gloo default is 30 min): a stalled member then
+        # fails the others in two minutes instead
+        timeout = datetime.timedelta(seconds=float(os.environ["RLHFZ_COLLECTIVE_TIMEOUT"]))
+        dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world,
+                                timeout=timeout)
         ranks = ranks_of()
-        self.groups = {name: dist.new_group(members) for name, members in ranks.items()}
+        self.groups = {name: dist.new_group(members, timeout=timeout)
+                       for name, members in ranks.items()}
         # the model-update group: the sending trainer and every engine
-        self.sync_group = dist.new_group([ranks["policy"][0]] + ranks["generation"])
+        self.sync_group = dist.new_group([ranks["policy"][0]] + ranks["generation"],
+                                         timeout=timeout)
         self.src = ranks["policy"][0]
         self.role, self.rank = role, rank
         self.group = self.groups[role]
@@ -179,8 +187,11 @@ class Generation(GroupMember):
     def generate(self, prompts, seed: int):
         torch.manual_seed(seed)
         with torch.no_grad():
+            # top_k=0: from the whole distribution (transformers' default, 50,
+            # would cut off part of what the policy gradient assumes is drawn)
             return self.model.generate(prompts, attention_mask=torch.ones_like(prompts),
-                                       do_sample=True, num_return_sequences=SAMPLES,
+                                       do_sample=True, top_k=0, top_p=1.0,
+                                       num_return_sequences=SAMPLES,
                                        max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
                                        pad_token_id=0)
 
@@ -259,11 +270,11 @@ def main(steps: int) -> None:
         theirs = ray.get(engine.logits.remote(probe))
         mine = ray.get([p.logits.remote(probe) for p in policy])[0]
         diff = float((theirs - mine).abs().max())
+        if not diff <= 1e-6:               # a NaN fails too
+            raise SystemExit(f"ray_rlhf: the engine's logits differ from the policy's by {diff}")
         print(f"ray_rlhf: after the last sync the generation engine's logits match the "
               f"policy's (max difference {diff:.3g}); {steps} steps on "
               f"{sum(GROUPS.values())} processes in {time.perf_counter() - started:.1f} s")
-        if diff > 1e-6:
-            raise SystemExit(f"ray_rlhf: the engine's logits differ from the policy's by {diff}")
     finally:
         ray.shutdown()
 

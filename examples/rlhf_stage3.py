@@ -73,6 +73,7 @@ def main(iterations=int(os.environ.get("RLHF_ITERATIONS", "4"))):
                                param_persistence_threshold=64)
     opt = rlhfz.ZeroAdamW(hf_groups(policy), lr=3e-3, stage=3)
     gen = torch.Generator().manual_seed(100 + rank)
+    initial = whole_params(policy)
     start = time.perf_counter()
     for it in range(iterations):
         prompts = torch.randint(3, VOCAB, (PROMPTS, PROMPT_LEN), generator=gen)
@@ -80,8 +81,10 @@ def main(iterations=int(os.environ.get("RLHF_ITERATIONS", "4"))):
         policy.eval()
         with rlhfz.offloaded(policy, opt, what=("optimizer", "grads")), \
                 rlhfz.gather_for_generation(policy, enabled=True), torch.no_grad():
+            # top_k=0: from the whole distribution (transformers' default, 50,
+            # would cut off part of what the policy gradient assumes is drawn)
             ids = policy.generate(prompts, attention_mask=torch.ones_like(prompts),
-                                  do_sample=True, max_new_tokens=NEW_TOKENS,
+                                  do_sample=True, top_k=0, top_p=1.0, max_new_tokens=NEW_TOKENS,
                                   min_new_tokens=NEW_TOKENS, pad_token_id=0)
         with torch.no_grad():
             reward = scorer(input_ids=ids).logits.squeeze(-1)
@@ -104,12 +107,20 @@ def main(iterations=int(os.environ.get("RLHF_ITERATIONS", "4"))):
             print(f"iteration {it}: reward {mean_reward:+.4f} loss {loss.item():+.4f} "
                   f"kl {kl.mean().item():.5f}", flush=True)
     check_saved(policy, rank, world)
+    moved = max(float((p - q).abs().max()) for p, q in zip(whole_params(policy), initial))
     if rank == 0:
         print(f"rlhf_stage3: {iterations} iterations on {world} rank(s), stage {opt.stage}, "
-              f"{time.perf_counter() - start:.1f} s", flush=True)
+              f"params moved by up to {moved:.3g}, {time.perf_counter() - start:.1f} s",
+              flush=True)
     opt.close()            # its process groups, before the default one goes
     if world > 1:
         dist.destroy_process_group()
+
+
+def whole_params(model):
+    """Copies of the params, whole (gathered: a collective)."""
+    with rlhfz.gather_for_generation(model):
+        return [p.detach().clone() for p in model.parameters()]
 
 
 def check_saved(policy, rank, world):
@@ -118,16 +129,16 @@ def check_saved(policy, rank, world):
     ids = torch.tensor([[5, 9, 33, 12, 40, 7]])
     with torch.no_grad():
         logits = policy(input_ids=ids).logits
-    directory = tempfile.mkdtemp(prefix="rlhf-stage3-") if rank == 0 else None
+    scratch = tempfile.TemporaryDirectory(prefix="rlhf-stage3-") if rank == 0 else None
+    box = [scratch.name if scratch else None]
     if world > 1:
-        box = [directory]
         dist.broadcast_object_list(box, src=0)
-        directory = box[0]
-    rlhfz.save_pretrained(policy, directory)
+    rlhfz.save_pretrained(policy, box[0])
     if rank == 0:
-        loaded = AutoModelForCausalLM.from_pretrained(directory)
-        with torch.no_grad():
-            same = torch.equal(loaded(input_ids=ids).logits, logits)
+        with scratch:
+            loaded = AutoModelForCausalLM.from_pretrained(box[0])
+            with torch.no_grad():
+                same = torch.equal(loaded(input_ids=ids).logits, logits)
         if not same:
             raise SystemExit("rlhf_stage3: the saved policy gives other logits")
         print("saved with save_pretrained; transformers reads it back with the same logits",

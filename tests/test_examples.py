@@ -1,5 +1,6 @@
 """The examples run as documented: one process, and two gloo ranks under torchrun."""
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -33,6 +34,8 @@ def test_example_runs(script, marker, ranks):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"{marker}" in done.stdout and f"on {ranks} rank(s)" in done.stdout, done.stdout
     assert f"stage {3 if ranks > 1 or script == 'rlhf_stage3.py' else 2}" in done.stdout
+    moved = re.search(r"params moved by up to (\S+),", done.stdout)
+    assert moved and float(moved.group(1)) > 0, done.stdout        # it trained
     if script == "rlhf_stage3.py":
         assert "transformers reads it back with the same logits" in done.stdout
 
@@ -51,4 +54,6 @@ def test_ray_example_runs_the_actor_groups_and_syncs_the_engine():
     for group in ("policy rank 1", "reference rank 1", "reward rank 1", "generation rank 0"):
         assert group in done.stdout, done.stdout
     assert "step 1:" in done.stdout and "optimizer on host during generation" in done.stdout
+    kl = re.search(r"step 1: .* kl (\S+),", done.stdout)
+    assert kl and float(kl.group(1)) > 0, done.stdout    # the policy moved off the reference
     assert "logits match the policy's (max difference 0)" in done.stdout, done.stdout
