@@ -251,7 +251,9 @@ int rlhfz_tier_alloc(rlhfz_tier *tier, int *device, size_t nbytes, size_t alignm
         Py_END_ALLOW_THREADS
         if (status != RLHFZ_OK) {
             *data = NULL;
-            PyErr_Format(PyExc_MemoryError, "could not pin %zu bytes of host memory: %s", nbytes,
+            /* only running out is a MemoryError (callers fall back or retry on it) */
+            PyErr_Format(status == RLHFZ_ERR_NOMEM ? PyExc_MemoryError : PyExc_RuntimeError,
+                         "could not pin %zu bytes of host memory: %s", nbytes,
                          rlhfz_cuda_error_string());
             return -1;
         }
@@ -272,7 +274,10 @@ int rlhfz_tier_alloc(rlhfz_tier *tier, int *device, size_t nbytes, size_t alignm
     Py_END_ALLOW_THREADS
     if (status != RLHFZ_OK) {
         *data = NULL;
-        PyErr_Format(PyExc_MemoryError, "could not allocate %zu bytes on CUDA device %d: %s",
+        /* only running out is a MemoryError: reload() frees torch's cache and
+         * tries again on it, which a lost device would fail forever */
+        PyErr_Format(status == RLHFZ_ERR_NOMEM ? PyExc_MemoryError : PyExc_RuntimeError,
+                     "could not allocate %zu bytes on CUDA device %d: %s",
                      nbytes, *device, rlhfz_cuda_error_string());
         return -1;
     }

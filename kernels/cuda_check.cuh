@@ -16,6 +16,11 @@
  * error, and returns RLHFZ_ERR_CUDA. */
 extern "C" rlhfz_status rlhfz_cuda_fail(cudaError_t err);
 
+/* The same for an allocation, whose caller tells running out of memory
+ * (RLHFZ_ERR_NOMEM: try again after freeing some) from a runtime that
+ * failed (RLHFZ_ERR_CUDA: a lost device fails every call). */
+extern "C" rlhfz_status rlhfz_cuda_fail_alloc(cudaError_t err);
+
 /* Returns RLHFZ_ERR_CUDA from the enclosing function if call fails. */
 #define RLHFZ_CUDA_CHECK(call)                                                  \
     do {                                                                        \

@@ -20,6 +20,12 @@ extern "C" rlhfz_status rlhfz_cuda_fail(cudaError_t err)
     return RLHFZ_ERR_CUDA;
 }
 
+extern "C" rlhfz_status rlhfz_cuda_fail_alloc(cudaError_t err)
+{
+    rlhfz_cuda_fail(err);
+    return err == cudaErrorMemoryAllocation ? RLHFZ_ERR_NOMEM : RLHFZ_ERR_CUDA;
+}
+
 extern "C" const char *rlhfz_cuda_error_string(void)
 {
     return last_error;

@@ -88,7 +88,7 @@ extern "C" rlhfz_status rlhfz_cuda_malloc(void **ptr, size_t nbytes, int device)
          * call fails, so the memory must not leak */
         if (memory)
             (void)cudaFree(memory);
-        return rlhfz_cuda_fail(err);
+        return rlhfz_cuda_fail_alloc(err);
     }
     *ptr = memory;
     return RLHFZ_OK;
@@ -114,7 +114,9 @@ extern "C" rlhfz_status rlhfz_cuda_host_alloc(void **ptr, size_t nbytes)
         return RLHFZ_OK;
     void *memory = NULL;
     /* portable: pinned for every context; mapped: kernels may read it too */
-    RLHFZ_CUDA_CHECK(cudaHostAlloc(&memory, nbytes, cudaHostAllocPortable | cudaHostAllocMapped));
+    cudaError_t err = cudaHostAlloc(&memory, nbytes, cudaHostAllocPortable | cudaHostAllocMapped);
+    if (err != cudaSuccess)
+        return rlhfz_cuda_fail_alloc(err);
     *ptr = memory;
     return RLHFZ_OK;
 }

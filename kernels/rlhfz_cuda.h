@@ -32,7 +32,9 @@ rlhfz_status rlhfz_cuda_device_synchronize(int device);
 rlhfz_status rlhfz_cuda_mem_get_info(int device, size_t *free_bytes, size_t *total_bytes);
 
 /* Device memory on `device` (cudaMalloc: cudaFree gives it back to the
- * driver, which cudaMemGetInfo then shows). */
+ * driver, which cudaMemGetInfo then shows). Both allocations return
+ * RLHFZ_ERR_NOMEM when the memory is not there, RLHFZ_ERR_CUDA when the
+ * runtime failed otherwise. */
 rlhfz_status rlhfz_cuda_malloc(void **ptr, size_t nbytes, int device);
 rlhfz_status rlhfz_cuda_free(void *ptr, int device);
 /* Page-locked host memory (cudaHostAlloc, portable and mapped). */

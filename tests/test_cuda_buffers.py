@@ -123,7 +123,7 @@ def test_cpu_kernels_refuse_device_views_but_take_pinned_ones():
 
 
 def test_bad_device_ordinal_raises():
-    with pytest.raises(MemoryError, match="CUDA device 4096"):
+    with pytest.raises(RuntimeError, match="CUDA device 4096: invalid device ordinal"):
         _C.Buffer(64, "device", device=4096)
 
 

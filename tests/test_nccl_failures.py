@@ -325,8 +325,7 @@ def test_communicator_lifecycle_and_errors():
     assert kind == "RuntimeError" and "nccl_comm.c:" in text
     assert ("ncclAllReduce (NcclComm.all_reduce, rank 0 of 1; the communicator is aborted) failed: "
             "ncclUnhandledCudaError (1): unhandled cuda error") in text
-    assert ("last error: ncclAllReduce: cudaLaunchHostFunc failed: unspecified launch "
-            "failure") in text
+    assert "last error: ncclAllReduce: cudaLaunchHostFunc failed: invalid argument" in text
     assert out["queue_failure_state"] == "aborted"
     assert out["after_queue_failure"] == [
         "RuntimeError", "NcclComm.all_reduce: the communicator (rank 0 of 1) was aborted after an "
@@ -335,7 +334,7 @@ def test_communicator_lifecycle_and_errors():
     kind, text = out["init_failure"]
     assert kind == "RuntimeError"
     assert "ncclCommInitRank (rank 0 of 1, device 0) failed: ncclUnhandledCudaError (1)" in text
-    assert "cudaGetDevice failed: unspecified launch failure" in text
+    assert "cudaGetDevice failed: invalid argument" in text
     assert out["init_failure_segment_left"] is False
 
     assert out["wrong_device"] == [

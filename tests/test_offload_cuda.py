@@ -330,3 +330,48 @@ def test_the_host_parts_staging_is_fenced_by_an_event_not_its_stream():
     opt.step()
     torch.cuda.synchronize()
     assert torch.equal(first, expected_first)
+
+
+STICKY_RELOAD = """
+import json, torch, rlhfz
+from rlhfz import _C
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 7))
+opt = rlhfz.ZeroAdamW(model.parameters(), lr=1e-3)
+model(torch.randn(4, 256)).square().mean().backward()
+opt.step()
+opt.offload()
+host = {k: v.detach().clone() for k, v in opt.state[model[0].weight].items()}
+weight = model[0].weight.detach().clone()
+_C.cuda_sim_inject("cudaMemcpyAsync:2:cudaErrorLaunchFailure")
+out = {}
+for attempt in ("first", "again"):
+    try:
+        opt.reload()
+        out[attempt] = "reloaded"
+    except RuntimeError as error:
+        out[attempt] = str(error)
+out["placement"] = opt.placement()["exp_avg"]
+out["state_kept"] = all(torch.equal(host[k], v) for k, v in opt.state[model[0].weight].items())
+out["weight_kept"] = torch.equal(model[0].weight, weight)
+print(json.dumps(out))
+"""
+
+
+@needs_simulator
+def test_a_failure_that_loses_the_device_mid_reload_keeps_the_state_on_the_host():
+    """A GPU cannot recover from a launch failure or an illegal address (the
+    simulator makes them sticky, as a GPU does): the reload raises, every
+    later one too, and the state stays on the host, bit for bit, for a
+    checkpoint from there or a new process."""
+    import json
+    import subprocess
+    import sys
+    env = dict(os.environ, RLHFZ_SIM_DEVICE="0")
+    child = subprocess.run([sys.executable, "-c", STICKY_RELOAD], env=env, capture_output=True,
+                           text=True, timeout=120)
+    assert child.returncode == 0, child.stderr[-3000:]
+    out = json.loads(child.stdout.strip().splitlines()[-1])
+    assert "unspecified launch failure" in out["first"], out
+    assert "unspecified launch failure" in out["again"], out
+    assert out["placement"] in ("pinned", "host") and out["state_kept"] and out["weight_kept"]

@@ -237,16 +237,17 @@ def test_a_torch_tensor_is_waited_for_when_no_event_can_fence_it():
 def test_transfers_that_fail_leave_both_sides_as_they_were():
     x = device_floats([1.0, 2.0])
     with failing("cudaMemcpyAsync:1"):
-        with pytest.raises(RuntimeError, match="cuda_fetch: .*unspecified launch failure"):
+        with pytest.raises(RuntimeError, match="cuda_fetch: .*invalid argument"):
             _C.cuda_fetch(x, 0, 8)
-    with failing("cudaMemcpyAsync:1:cudaErrorIllegalAddress"):
-        with pytest.raises(RuntimeError, match="cuda_store: .*illegal memory access"):
+    # a named error (one a GPU recovers from: sticky ones lose the device)
+    with failing("cudaMemcpyAsync:1:cudaErrorInvalidDevicePointer"):
+        with pytest.raises(RuntimeError, match="cuda_store: .*invalid device pointer"):
             _C.cuda_store(x, 0, np.float32([9.0, 9.0]).tobytes())
     # the first runtime call of a transfer asks which device is current
     for spec, call in (("cudaGetDevice:1", lambda: _C.cuda_fetch(x, 0, 8)),
                        ("cudaGetDevice:1", lambda: _C.cuda_store(x, 0, b"\0" * 8))):
         with failing(spec):
-            with pytest.raises(RuntimeError, match="unspecified launch failure"):
+            with pytest.raises(RuntimeError, match="invalid argument"):
                 call()
     assert list(floats(x)) == [1.0, 2.0]
 
@@ -263,7 +264,7 @@ def test_stream_and_event_constructors():
         _C.CudaStream(device=7)
     assert _C.cuda_get_device() == 0
     with failing("cudaGetDevice:1"):
-        with pytest.raises(RuntimeError, match="CudaEvent: CUDA error: unspecified launch failure"):
+        with pytest.raises(RuntimeError, match="CudaEvent: CUDA error: invalid argument"):
             _C.CudaEvent()
     with failing("cudaStreamCreateWithFlags:1"):
         with pytest.raises(RuntimeError, match="CudaStream: CUDA error: out of memory"):
@@ -292,9 +293,9 @@ def test_stream_and_event_methods_refuse_bad_use_and_survive_failures():
         ("cudaEventQuery", event.query, "CudaEvent.query"),
     ]
     for call, method, name in failures:
-        with failing(f"{call}:1:cudaErrorLaunchFailure"):
+        with failing(f"{call}:1"):
             with pytest.raises(RuntimeError,
-                               match=f"{name}: CUDA error: unspecified launch failure"):
+                               match=f"{name}: CUDA error: invalid argument"):
                 method()
         method()            # the failure was the call's, not the handle's
     assert event.query() is True
@@ -365,7 +366,7 @@ def test_module_cuda_functions_check_arguments_and_report_failures():
         ("cudaMemGetInfo:1", lambda: _C.cuda_mem_get_info(0), "cuda_mem_get_info"),
     ]:
         with failing(spec):
-            with pytest.raises(RuntimeError, match=f"{name}: CUDA error: unspecified launch"):
+            with pytest.raises(RuntimeError, match=f"{name}: CUDA error: invalid argument"):
                 call()
     with failing("cudaGetDeviceCount:1:cudaErrorNoDevice"):
         with pytest.raises(RuntimeError, match="cuda_get_device: no CUDA-capable device"):
@@ -423,7 +424,7 @@ def test_device_allocations_that_fail_part_way_give_everything_back():
     free = device_free()
     # the current device cannot be asked
     with failing("cudaGetDevice:1"):
-        with pytest.raises(RuntimeError, match="Buffer: CUDA error: unspecified launch failure"):
+        with pytest.raises(RuntimeError, match="Buffer: CUDA error: invalid argument"):
             _C.Buffer(4096, "device")
     # allocated, then the zeroing fails: the memory goes back
     for call in ("cudaMemsetAsync", "cudaStreamSynchronize", "cudaGetDevice"):
@@ -433,8 +434,9 @@ def test_device_allocations_that_fail_part_way_give_everything_back():
         del kept
         mallocs, frees = _C.cuda_sim_calls("cudaMalloc"), _C.cuda_sim_calls("cudaFree")
         with failing(f"{call}:{n}"):
-            with pytest.raises(MemoryError, match="could not allocate 4096 bytes on CUDA device 0: "
-                                                  "unspecified launch failure"):
+            # a runtime that fails is no shortage of memory
+            with pytest.raises(RuntimeError, match="could not allocate 4096 bytes on CUDA device 0: "
+                                                   "invalid argument"):
                 _C.Buffer(4096, "device")
         assert _C.cuda_sim_calls("cudaMalloc") == mallocs + 1, call
         assert _C.cuda_sim_calls("cudaFree") == frees + 1, call
@@ -444,7 +446,7 @@ def test_device_allocations_that_fail_part_way_give_everything_back():
 def test_zeroing_device_memory_that_fails_leaves_the_bytes():
     x = device_floats([1.0, 2.0, 3.0])
     with failing("cudaMemsetAsync:1"):
-        with pytest.raises(RuntimeError, match="zero_: CUDA error: unspecified launch failure"):
+        with pytest.raises(RuntimeError, match="zero_: CUDA error: invalid argument"):
             x.zero_()
     assert list(floats(x)) == [1.0, 2.0, 3.0]
     x.zero_()
@@ -492,7 +494,7 @@ _C.cuda_sim_inject("cudaSetDevice:2")
 try:
     _C.Buffer(4096, "device", device=1, zero=False)
     out["alloc"] = None
-except MemoryError as error:
+except RuntimeError as error:      # no shortage of memory: not a MemoryError
     out["alloc"] = str(error)
 _C.cuda_sim_inject("")
 out["current_after_failed_restore"] = _C.cuda_get_device()
@@ -526,7 +528,7 @@ print(json.dumps(out))
 def test_two_devices_restore_the_current_one_and_check_where_scalars_live():
     result = run_child(TWO_DEVICES, RLHFZ_SIM_DEVICES=2, RLHFZ_SIM_DEVICE_BYTES=1 << 24)
     assert result["alloc"] == ("could not allocate 4096 bytes on CUDA device 1: "
-                               "unspecified launch failure")
+                               "invalid argument")
     assert result["free1_kept"] is True
     # the restore is what failed, so device 1 is still current: the runtime's state, reported
     assert result["current_after_failed_restore"] == 1
@@ -613,5 +615,5 @@ def test_a_call_that_cannot_give_the_callers_device_back_fails():
     result = run_child(RESTORES, RLHFZ_SIM_DEVICES=2)
     for name, what in (("stream", "CudaStream"), ("event", "CudaEvent"),
                        ("kernel", "cuda_scale_")):
-        assert result[name] == f"{what}: CUDA error: unspecified launch failure", name
+        assert result[name] == f"{what}: CUDA error: invalid argument", name
     assert result["fetched"] == "0000803f" and result["current"] == 0

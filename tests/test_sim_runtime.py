@@ -136,9 +136,9 @@ def test_injected_failures_surface_as_exceptions():
         with pytest.raises(MemoryError, match="out of memory"):
             _C.Buffer(64, "device")
         _C.Buffer(64, "device")
-        _C.cuda_sim_inject("cudaMemcpyAsync:1:cudaErrorLaunchFailure")
+        _C.cuda_sim_inject("cudaMemcpyAsync:1")      # one a GPU recovers from
         a, b = _C.Buffer(64, "device"), _C.Buffer(64, "device")
-        with pytest.raises(RuntimeError, match="unspecified launch failure"):
+        with pytest.raises(RuntimeError, match="invalid argument"):
             a.copy_from(b)
         a.copy_from(b)
         with pytest.raises(ValueError, match="call:n"):
@@ -155,6 +155,30 @@ def test_injected_failures_surface_as_exceptions():
     """, RLHFZ_SIM_FAIL="cudaHostAlloc:1")
     assert child.returncode == 0, child.stderr
     assert "pinning: could not pin 64 bytes" in child.stdout and "pinned" in child.stdout
+
+
+def test_an_injected_failure_a_gpu_makes_sticky_is_sticky():
+    """After an illegal address or a launch failure a GPU's context is lost:
+    every later call fails with it, so nothing can pass by recovering."""
+    child = run_child("""
+        from rlhfz import _C
+        a, b = _C.Buffer(64, "device"), _C.Buffer(64, "device")
+        for attempt in range(3):
+            try:
+                a.copy_from(b)
+                print("copied")
+            except RuntimeError as error:
+                print("failed:", error)
+        try:
+            _C.Buffer(64, "device")
+            print("allocated")
+        except (RuntimeError, MemoryError) as error:
+            print("allocation failed:", error)
+    """, RLHFZ_SIM_FAIL="cudaMemcpyAsync:1:cudaErrorLaunchFailure")
+    assert child.returncode == 0, child.stderr
+    assert "copied" not in child.stdout and "allocated" not in child.stdout, child.stdout
+    assert child.stdout.count("unspecified launch failure") == 4, child.stdout
+    assert "every later call on it fails" in child.stderr
 
 
 def test_calls_are_counted():

@@ -13,8 +13,11 @@ DLPack and checks (dtype, device, sizes, overlap) as the kernels do:
 - each collective runs on rlhfz's own CUDA stream: it first waits (an
   event, no host block) for the work torch's current stream has queued,
   and the returned work's wait() makes torch's current stream wait for the
-  collective in turn; NcclComm keeps the tensors it borrowed until the
-  collective is done on that stream;
+  collective in turn, then waits for it on the host too: a collective the
+  watchdog aborts raises there, before anything reads what it left (a
+  device-side wait alone returns at once, and torch would go on to read
+  the half-written result without a word); NcclComm keeps the tensors it
+  borrowed until the collective is done on that stream;
 - NCCL never gives up on a peer that died: its kernels wait for it, and so
   does the host when it next synchronizes. A watchdog thread therefore
   watches every collective in flight and NCCL's asynchronous error; past
@@ -46,7 +49,8 @@ def _name(tensor: torch.Tensor) -> str:
 
 class _NativeWork:
     """A collective queued on rlhfz's stream; wait() joins it to torch's
-    current stream (no host block) and raises what the watchdog found."""
+    current stream, waits for it on the host (the GIL released) and raises
+    what the watchdog found."""
 
     def __init__(self, comm: "NcclEngine", done):
         self.comm, self.done = comm, done
@@ -54,8 +58,9 @@ class _NativeWork:
     def wait(self) -> None:
         if self.done is None:
             return
-        self.done.wait(self.comm.torch_stream())
-        self.done = None
+        done, self.done = self.done, None
+        done.wait(self.comm.torch_stream())
+        done.synchronize()         # returns once done, or once the watchdog's abort ends it
         self.comm.raise_if_failed()
 
 

@@ -1,7 +1,13 @@
 /* errors.cpp: the simulated runtime's error state: each thread's last error,
  * each device's sticky error, call counts, and the failures RLHFZ_SIM_FAIL
  * injects ("call:n[:error]", comma-separated: the n-th call of `call` in
- * this process fails, with the named error or the call's usual one). */
+ * this process fails, with the named error or the call's usual one).
+ *
+ * An injected error that a GPU makes sticky (an illegal address, a launch
+ * failure: "the process must be terminated") is sticky here too: every
+ * later call on the device fails with it. A call's usual injected failure is
+ * one a GPU recovers from, so a test that goes on using the device after it
+ * proves something a GPU can do. */
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -83,7 +89,13 @@ cudaError_t usual_failure(const std::string &call)
             return cudaErrorMemoryAllocation;
     if (call == "kernel launch")
         return cudaErrorLaunchOutOfResources;
-    return cudaErrorLaunchFailure;
+    return cudaErrorInvalidValue;
+}
+
+/* The errors after which a GPU's context is lost for good. */
+bool sticky_on_a_gpu(cudaError_t err)
+{
+    return err == cudaErrorIllegalAddress || err == cudaErrorLaunchFailure;
 }
 
 bool parse_error_name(const std::string &name, cudaError_t *out)
@@ -168,6 +180,8 @@ cudaError_t count_call(const char *name)
 cudaError_t enter(const char *name)
 {
     cudaError_t err = count_call(name);
+    if (sticky_on_a_gpu(err))
+        set_sticky(current_device(), err, (std::string("an injected failure of ") + name).c_str());
     if (err == cudaSuccess)
         err = sticky(current_device());
     if (err != cudaSuccess)
