@@ -92,8 +92,12 @@ def check_engine_options(stage, offload, offload_ratio, pin_memory, nonfinite,
         raise ValueError(f"stage must be 0, 1, 2 or 3, not {stage!r}")
     if offload not in (None, "cpu"):
         raise ValueError(f"offload must be None or 'cpu', not {offload!r}")
-    if not (isinstance(offload_ratio, (int, float)) and 0.0 <= offload_ratio <= 1.0):
+    if not (isinstance(offload_ratio, numbers.Real) and not isinstance(offload_ratio, bool)
+            and 0.0 <= offload_ratio <= 1.0):
         raise ValueError(f"offload_ratio must be a number in [0, 1], not {offload_ratio!r}")
+    if offload_ratio != 1.0 and offload is None:
+        raise ValueError(f"offload_ratio={offload_ratio!r} is the share of the optimizer state "
+                         f"that steps on the host: it needs offload='cpu'")
     # `is`: 0, 1.0 or a numpy bool compare equal to a bool but are none
     if not (pin_memory is True or pin_memory is False or pin_memory == "auto"):
         raise ValueError(f"pin_memory must be True, False or 'auto', not {pin_memory!r}")

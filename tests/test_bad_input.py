@@ -1,6 +1,7 @@
 """Bad input gets a clear exception, and leaves the optimizer as it was."""
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -108,6 +109,8 @@ def test_failed_add_param_group_leaves_optimizer_and_model_alone():
     ({"stage": 4}, "stage"),
     ({"offload": "gpu"}, "offload"),
     ({"offload_ratio": 1.5}, "offload_ratio"),
+    ({"offload_ratio": True}, "offload_ratio"),
+    ({"offload_ratio": 0.5}, "needs offload='cpu'"),     # it would change nothing
     ({"pin_memory": "sometimes"}, "pin_memory"),
     ({"pin_memory": 0}, "pin_memory"),        # == False, but would pin without a budget
     ({"pin_memory": 1.0}, "pin_memory"),
@@ -117,6 +120,12 @@ def test_failed_add_param_group_leaves_optimizer_and_model_alone():
 def test_unsupported_or_invalid_options_raise(kwargs, match):
     with pytest.raises((ValueError, RuntimeError), match=match):
         rlhfz.ZeroAdamW([torch.nn.Parameter(torch.ones(2))], **kwargs)
+
+
+def test_a_numpy_offload_ratio_is_a_number():
+    opt = rlhfz.ZeroAdamW([torch.nn.Parameter(torch.ones(2))], offload="cpu",
+                          offload_ratio=np.float32(0.5))
+    assert opt.offload_ratio == 0.5
 
 
 def test_unknown_keyword_raises():
