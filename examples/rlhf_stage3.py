@@ -41,10 +41,13 @@ def causal_lm(seed):
 def reward_model():
     from transformers import LlamaConfig, LlamaForSequenceClassification
     torch.manual_seed(7)
+    # It scores the last token that is not its pad token: an id past the
+    # policy's vocabulary, which no completion can end in (with the policy's
+    # pad id 0, a completion ending in a sampled 0 would be scored early).
     return LlamaForSequenceClassification(LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        vocab_size=VOCAB + 1, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        pad_token_id=0, num_labels=1))
+        pad_token_id=VOCAB, num_labels=1))
 
 
 def hf_groups(model, weight_decay=0.01):
