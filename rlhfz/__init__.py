@@ -18,6 +18,7 @@ _LAZY = {
     "reload": ("rlhfz.migrate", "reload"),
     "offloaded": ("rlhfz.migrate", "offloaded"),
     "release_pinned": ("rlhfz.engine", "release_pinned"),
+    "pinned_memory": ("rlhfz.engine", "pinned_memory"),
     "gather_for_generation": ("rlhfz.generation", "gather_for_generation"),
     "iter_full_params": ("rlhfz.generation", "iter_full_params"),
     "save_checkpoint": ("rlhfz.checkpoint", "save_checkpoint"),
@@ -94,6 +95,7 @@ def __dir__():
 
 
 __all__ = ["ZeroAdamW", "NonFiniteGradError", "offload", "reload", "offloaded", "release_pinned",
+           "pinned_memory",
            "gather_for_generation", "iter_full_params", "save_checkpoint", "load_checkpoint",
            "save_consolidated", "load_consolidated", "CheckpointError", "CollectiveError",
            "shard_model", "full_state_dict", "save_pretrained", "load_pretrained", "sync_weights",

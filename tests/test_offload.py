@@ -423,3 +423,22 @@ def test_pinned_buffers_pooled_for_a_dropped_optimizer_are_unpinned():
     gc.collect()
     assert host_memory.PinnedPool.pooled() == base + 4096
     assert host_memory.PinnedPool.take(4096) is not None
+
+
+def test_pinned_memory_counts_the_pool_against_the_budget(monkeypatch):
+    class Pinned:
+        tier, exports, nbytes = "pinned", 0, 8192
+
+    class Engine:
+        pass
+
+    monkeypatch.setenv("RLHFZ_PIN_BUDGET_BYTES", "123456")
+    before = rlhfz.pinned_memory()
+    assert before["budget"] == 123456
+    giver = Engine()
+    host_memory.PinnedPool.give(Pinned(), None, giver)
+    after = rlhfz.pinned_memory()
+    assert after["pooled"] == before["pooled"] + 8192
+    del giver
+    gc.collect()
+    assert rlhfz.pinned_memory()["pooled"] == before["pooled"]

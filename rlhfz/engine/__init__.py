@@ -16,7 +16,7 @@ from .backends import (DTYPE_NAMES, CudaBackend, HostBackend, SimulatedCudaBacke
 from .bucket import Bucket
 from .engine import INT8_SQ_LIMIT, BucketPlan, ShardEngine
 from .frozen_bucket import FrozenBucket
-from .host_memory import PinnedPool, host_buffer, pin_budget, release_pinned
+from .host_memory import PinnedPool, host_buffer, pin_budget, pinned_memory, release_pinned
 from .layout import (ALIGN_BYTES, MIN_BUCKET_BYTES, BucketLayout, ShardLayout, Slot,
                      most_per_rank, plan_bucket, rank_range, shard_owner, shard_size,
                      split_by_bytes, stage2_bucket_bytes)
@@ -30,6 +30,6 @@ __all__ = ["ALIGN_BYTES", "INT8_SQ_LIMIT", "Bucket", "BucketLayout", "BucketPlan
            "REGIONS", "STATE_DTYPES", "STATE_NAMES", "STORED_MAPS", "ShardEngine", "ShardLayout",
            "ShardState",
            "SimulatedCudaBackend", "Slot", "backend_for", "host_buffer", "layout_block",
-           "most_per_rank", "pin_budget", "plan_bucket", "rank_range", "region_dtype",
+           "most_per_rank", "pin_budget", "pinned_memory", "plan_bucket", "rank_range", "region_dtype",
            "region_numel", "region_unit", "release_pinned", "shard_owner", "state_regions",
            "shard_size", "split_by_bytes", "stage2_bucket_bytes", "torch_view"]

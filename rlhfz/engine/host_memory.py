@@ -153,3 +153,11 @@ def host_buffer(nbytes: int, pin_memory, zero: bool = False):
 def release_pinned() -> None:
     """Gives back the pinned host memory that reload() kept for the next offload."""
     PinnedPool.release()
+
+
+def pinned_memory() -> dict[str, int]:
+    """Pinned host memory rlhfz holds in this process, in bytes: "pinned" in
+    all (in use or pooled), "pooled" of it kept by reload() for the next
+    offload (release_pinned() gives it back), and the "budget" that
+    pin_memory="auto" pins up to."""
+    return {"pinned": PinnedPool.in_use(), "pooled": PinnedPool.pooled(), "budget": pin_budget()}
