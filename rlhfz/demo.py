@@ -244,8 +244,9 @@ def run(steps: int = 300, batch_size: int = 16, lr: float = 3e-3, seed: int = 0,
     for index, result in enumerate(ranks):
         _print_report(print_fn, f"rank {index}", result["memory_report"])
     diff = relative_difference_lists(ranks[0]["params"], list(ref_model.parameters()))
-    first, last = losses[0], sum(losses[-10:]) / 10
-    print_fn(f"loss {first:.3f} -> {last:.3f} (mean of the last 10); params differ from "
+    tail = losses[-10:]
+    first, last = losses[0], sum(tail) / len(tail)
+    print_fn(f"loss {first:.3f} -> {last:.3f} (mean of the last {len(tail)}); params differ from "
              f"torch.optim.AdamW's by {diff:.2e} relative (L2)")
     if not (math.isfinite(last) and last < first):
         raise RuntimeError("the demo did not learn: the loss did not go down")

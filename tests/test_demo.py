@@ -17,3 +17,13 @@ def test_demo_learns_tracks_torch_and_shards_memory():
     for report in result["rank_memory_reports"]:
         assert total(report) < unsharded
         assert report["exp_avg"]["host"] <= 0.51 * result["unsharded_memory_report"]["exp_avg"]["host"]
+
+
+def test_a_short_demo_averages_the_steps_it_took():
+    """Fewer than 10 steps: the mean is over the steps there are (a sum
+    over 3 divided by 10 read as learning whatever the losses were)."""
+    lines = []
+    result = demo.run(steps=3, log_every=1, print_fn=lines.append)
+    losses = result["losses"]["rlhfz"]
+    summary = next(line for line in lines if "mean of the last" in line)
+    assert f"-> {sum(losses) / 3:.3f} (mean of the last 3)" in summary, summary
