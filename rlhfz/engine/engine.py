@@ -173,15 +173,15 @@ class ShardEngine:
                     buffer.release_pages()
 
     def grads_changed(self) -> None:
-        """Grads were written outside a step: the next step checks them again."""
+        """Grads were written outside a step: the next step checks them again
+        (and takes their sum of squares anew)."""
         self._finite_versions = None
         self._step_sumsq = None
 
     # ---- grads -----------------------------------------------------------------------
 
     def zero_grads(self, set_to_none: bool) -> None:
-        self._finite_versions = None
-        self._step_sumsq = None
+        self.grads_changed()
         self._pending_clip = None        # the grads it scaled are gone
         if self.reducer is not None:
             self.reducer.zero()          # stage 2 holds no full grads: the shards start over
@@ -200,8 +200,7 @@ class ShardEngine:
             self.zero_grads(set_to_none=True)
             return
         self.settle_grads()              # a clip of the grads that stay applies to them alone
-        self._finite_versions = None
-        self._step_sumsq = None
+        self.grads_changed()
         for bucket, index in hits:
             self.reducer.zero_param(bucket, index)
 
@@ -481,8 +480,7 @@ class ShardEngine:
                                                     async_op=True))
         for work in gathers:
             work.wait()
-        self._finite_versions = None
-        self._step_sumsq = None
+        self.grads_changed()
 
     def _count_steps(self, bucket: Bucket, plan: BucketPlan) -> None:
         """Step counts advance for every param with a grad, also those whose

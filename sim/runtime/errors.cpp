@@ -171,17 +171,21 @@ cudaError_t count_call(const char *name)
     load_injections_locked(state);
     ++state.counts[name];
     unsigned long long n = ++state.since[name];
-    for (const Injection &injection : state.injections)
-        if (injection.call == name && injection.nth == n)
-            return injection.error != cudaSuccess ? injection.error : usual_failure(name);
+    for (const Injection &injection : state.injections) {
+        if (injection.call != name || injection.nth != n)
+            continue;
+        cudaError_t err = injection.error != cudaSuccess ? injection.error : usual_failure(name);
+        if (sticky_on_a_gpu(err))
+            set_sticky(current_device(), err,
+                       (std::string("an injected failure of ") + name).c_str());
+        return err;
+    }
     return cudaSuccess;
 }
 
 cudaError_t enter(const char *name)
 {
     cudaError_t err = count_call(name);
-    if (sticky_on_a_gpu(err))
-        set_sticky(current_device(), err, (std::string("an injected failure of ") + name).c_str());
     if (err == cudaSuccess)
         err = sticky(current_device());
     if (err != cudaSuccess)
