@@ -99,9 +99,12 @@ SIM_COVERAGE = SIMULATED and os.environ.get("RLHFZ_SIM_COVERAGE", "0").strip() =
 # The simulated runtime's own libraries, shipped next to _C (found through its rpath).
 SIM_PACKAGE_DIR = os.path.join("rlhfz", "_sim")
 # The .cu files as host C++: no FMA contraction (the kernels' rounding is
-# spelled out), no strict aliasing (vector loads reinterpret), and the
+# spelled out), no strict aliasing (vector loads reinterpret), every typed
+# access checked for its alignment (a GPU faults where x86 would not; the
+# simulator's handler makes it the device's sticky error), and the
 # simulator's cuda_runtime.h first on the include path.
 SIM_CXXFLAGS = ["-x", "c++", "-std=c++17", "-fPIC", "-ffp-contract=off", "-fno-strict-aliasing",
+                "-fsanitize=alignment",
                 "-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-unknown-pragmas",
                 "-Isim/include", "-Ikernels"]
 # -fprofile-abs-path: gcov finds the sources from any working directory

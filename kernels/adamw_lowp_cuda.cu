@@ -118,7 +118,8 @@ __device__ __forceinline__ float lowp_finite_or_inf(float x)
  * of the block calls it. */
 __device__ __forceinline__ void lowp_block_max(float &a, float &b)
 {
-    __shared__ float as[RLHFZ_QBLOCK], bs[RLHFZ_QBLOCK];
+    RLHFZ_SHARED_ARRAY(float, as, RLHFZ_QBLOCK);
+    RLHFZ_SHARED_ARRAY(float, bs, RLHFZ_QBLOCK);
     const unsigned int t = threadIdx.x;
     as[t] = a;
     bs[t] = b;

@@ -41,6 +41,17 @@ extern "C" rlhfz_status rlhfz_cuda_fail_alloc(cudaError_t err);
     __VA_ARGS__<<<grid, block, shared_bytes, stream>>>
 #endif
 
+/* A __shared__ array, declared RLHFZ_SHARED_ARRAY(type, name, count). A GPU
+ * promises nothing of what a block has not written there, so on the
+ * simulated runtime it reads as NaN (all bits set) when each block starts. */
+#ifdef CUDASIM
+#define RLHFZ_SHARED_ARRAY(type, name, count) \
+    __shared__ type name[count];               \
+    cudasim_shared_fresh(name, sizeof(name))
+#else
+#define RLHFZ_SHARED_ARRAY(type, name, count) __shared__ type name[count]
+#endif
+
 /* After a launch: did it start? (Its completion is not waited for.) */
 #define RLHFZ_CUDA_CHECK_LAUNCH() RLHFZ_CUDA_CHECK(cudaGetLastError())
 

@@ -22,7 +22,7 @@
  * thread 0 gets the total. Every thread of the block must call it. */
 __device__ __forceinline__ double rlhfz_block_sum(double value)
 {
-    __shared__ double sums[RLHFZ_BLOCK];
+    RLHFZ_SHARED_ARRAY(double, sums, RLHFZ_BLOCK);
     sums[threadIdx.x] = value;
     __syncthreads();
 #pragma unroll

@@ -6,11 +6,15 @@ on hand-built kDLCUDA capsules: without a usable device the call then stops
 at the CUDA check, with the reason. With a device (a GPU, or the simulated
 runtime: tests/device_support.py) the stream handshake is tested on capsules
 of real device memory, and on the simulator valid arguments over host
-memory go as far as the launch, which refuses them. The kernels themselves
-are tested in test_cuda_kernels.py.
+memory go as far as the launch, which faults and loses the device's context,
+as a GPU's kernel would. The kernels themselves are tested in
+test_cuda_kernels.py.
 """
 import math
+import os
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -69,45 +73,72 @@ def test_valid_arguments_stop_at_the_cuda_check_with_the_reason():
         _C.cuda_store(_C.Buffer(8), 0, b"\0" * 8)
 
 
+# One child process per call: the fault loses the device's context, as on a GPU.
+HOST_ADDRESS_CHILD = """
+import sys
+sys.path.insert(0, TESTS)
+import numpy as np, torch
+from device_support import zeros
+from test_cuda_ops_args import HP, cuda_array
+from rlhfz import _C
+
+backings, kept = [], []
+
+def fake(n=8, bits=32):
+    dtype = np.float32 if bits == 32 else np.float16
+    if MEMORY == "host":
+        backing = np.full(n, 1.5, dtype=dtype)
+    else:      # the alias, as numpy sees it: the tensor behind it keeps it alive
+        backing = zeros(n, torch.float32 if bits == 32 else torch.float16).numpy()
+        backing[:] = 1.5
+    backings.append(backing)
+    made = cuda_array(n, bits=bits, data=backing)
+    kept.append(made)          # a capsule's struct lives as long as its Handmade
+    return made
+
+out = _C.Buffer(8, "device")
+workspace = _C.Buffer(_C.cuda_sumsq_workspace_bytes(), "device")
+found = _C.Buffer(4, "device")
+calls = {
+    "cuda_adamw_step": lambda: _C.cuda_adamw_step(*(fake().capsule for _ in range(5)), **HP),
+    "cuda_sumsq": lambda: _C.cuda_sumsq(fake().capsule, out, workspace),
+    "cuda_unscale_": lambda: _C.cuda_unscale_(fake().capsule, 0.5, found),
+    "cuda_scale_": lambda: _C.cuda_scale_(fake().capsule, 2.0),
+    "cuda_cast_": lambda: _C.cuda_cast_(fake().capsule, fake(bits=16).capsule),
+}
+try:
+    calls[CALL]()
+except RuntimeError as error:
+    print("raised:", error)
+print("untouched:", all((backing == 1.5).all() for backing in backings))
+try:
+    _C.cuda_fetch(out, 0, 8)
+except RuntimeError as error:
+    print("later:", error)
+"""
+
+
 @pytest.mark.gpu
 @needs_simulator
+@pytest.mark.parametrize("call", ["cuda_adamw_step", "cuda_sumsq", "cuda_unscale_",
+                                  "cuda_scale_", "cuda_cast_"])
 @pytest.mark.parametrize("memory", ["host", "alias"])
-def test_a_host_address_never_reaches_a_kernel(memory):
+def test_a_host_address_never_reaches_a_kernel(memory, call):
     """The simulator's side of the test above: valid arguments claimed to be
     CUDA memory but over memory the host can touch (its own, or the host
     alias of device memory) pass every check and stop at the launch, where
-    a GPU would fault; nothing is written."""
-    backings, kept = [], []
-
-    def fake(n=8, bits=32):
-        dtype = np.float32 if bits == 32 else np.float16
-        if memory == "host":
-            backing = np.full(n, 1.5, dtype=dtype)
-        else:      # the alias, as numpy sees it: the tensor behind it keeps it alive
-            backing = zeros(n, torch.float32 if bits == 32 else torch.float16).numpy()
-            backing[:] = 1.5
-        backings.append(backing)
-        made = cuda_array(n, bits=bits, data=backing)
-        kept.append(made)          # a capsule's struct lives as long as its Handmade
-        return made
-
-    out = _C.Buffer(8, "device")
-    workspace = _C.Buffer(_C.cuda_sumsq_workspace_bytes(), "device")
-    found = _C.Buffer(4, "device")
-    keep = [fake() for _ in range(5)]
-    half = fake(bits=16)
-    calls = {
-        "cuda_adamw_step": lambda: _C.cuda_adamw_step(*(m.capsule for m in keep), **HP),
-        "cuda_sumsq": lambda: _C.cuda_sumsq(fake().capsule, out, workspace),
-        "cuda_unscale_": lambda: _C.cuda_unscale_(fake().capsule, 0.5, found),
-        "cuda_scale_": lambda: _C.cuda_scale_(fake().capsule, 2.0),
-        "cuda_cast_": lambda: _C.cuda_cast_(fake().capsule, half.capsule),
-    }
-    for name, call in calls.items():
-        with pytest.raises(RuntimeError, match=f"^{name}: CUDA error: an illegal memory access"):
-            call()
-    assert all((backing == 1.5).all() for backing in backings)
-    assert _C.cuda_fetch(out, 0, 8) == b"\0" * 8 and _C.cuda_fetch(found, 0, 4) == b"\0" * 4
+    a GPU's kernel would fault: nothing is written, and the device's context
+    is lost, so the next call fails too."""
+    code = f"TESTS = {os.path.dirname(os.path.abspath(__file__))!r}\n" \
+           f"MEMORY = {memory!r}\nCALL = {call!r}\n" + HOST_ADDRESS_CHILD
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=120)
+    assert child.returncode == 0, child.stderr
+    lines = child.stdout.splitlines()
+    assert lines[0].startswith(f"raised: {call}: CUDA error: an illegal memory access"), lines
+    assert lines[1] == "untouched: True", lines
+    assert lines[2] == "later: cuda_fetch: CUDA error: an illegal memory access was encountered", \
+        lines
 
 
 @pytest.mark.parametrize("change, error, message", [

@@ -284,20 +284,46 @@ def test_chaos_delays_the_order_not_the_results():
     assert plain.stdout == chaotic.stdout
 
 
-@pytest.mark.skipif(shutil.which("c++") is None, reason="needs a C++ compiler")
-def test_runtime_selftest(tmp_path):
+@pytest.fixture(scope="module")
+def selftest(tmp_path_factory):
+    if shutil.which("c++") is None:
+        pytest.skip("needs a C++ compiler")
     library = os.path.join(os.path.dirname(_C.__file__), "_sim")
-    program = tmp_path / "selftest"
+    program = tmp_path_factory.mktemp("selftest") / "selftest"
     build = subprocess.run(
-        ["c++", "-std=c++17", "-O1", "-I", os.path.join(ROOT, "sim", "include"),
+        ["c++", "-std=c++17", "-O1", "-fsanitize=alignment", "-I",
+         os.path.join(ROOT, "sim", "include"),
          os.path.join(ROOT, "sim", "tests", "runtime_selftest.cpp"), f"-L{library}",
          "-lcudasim", f"-Wl,-rpath,{library}", "-pthread", "-o", str(program)],
         capture_output=True, text=True)
     assert build.returncode == 0, build.stderr
-    run = subprocess.run([str(program)], capture_output=True, text=True, timeout=60,
+    return str(program)
+
+
+def run_selftest(program, *arguments):
+    run = subprocess.run([program, *arguments], capture_output=True, text=True, timeout=60,
                          env=dict(os.environ, RLHFZ_SIM_DEVICES="2"))
     assert run.returncode == 0, run.stdout + run.stderr
     assert "0 failed" in run.stdout
+    return run
+
+
+def test_runtime_selftest(selftest):
+    run_selftest(selftest)
+
+
+@pytest.mark.parametrize("fault, says", [
+    ("host-pointer", "host memory that is not page-locked"),
+    ("other-device", "memory of another device"),
+    ("misaligned", "misaligned address: a member access"),
+    ("shared-over-48k", "more than 48 KiB"),
+])
+def test_a_kernel_fault_loses_the_context(selftest, fault, says):
+    """What a GPU's kernel faults on (an address it cannot use, a misaligned
+    vector load, more shared memory than a block gets) loses the device's
+    context: every later call fails, as on a GPU."""
+    run = run_selftest(selftest, fault)
+    assert says in run.stderr and "every later call on it fails" in run.stderr, run.stderr
 
 
 def test_a_borrowed_tensor_outlives_the_kernel_that_reads_it():

@@ -1,7 +1,8 @@
 """The layering docs/ARCHITECTURE.md describes holds: no import circle in
 rlhfz/, no module reading another's underscore names, shard splits computed
-in engine/layout.py alone, and (where the build's objects are at hand) no
-circle of C files calling each other."""
+in engine/layout.py alone, every __shared__ array of the kernels declared
+through one macro, and (where the build's objects are at hand) no circle of
+C files calling each other."""
 import glob
 import os
 import subprocess
@@ -56,6 +57,21 @@ def test_the_checker_finds_a_circle_and_an_underscore_read(tmp_path):
     graph = {n: py_structure.imports(n, p, modules) for n, p in modules.items()}
     assert py_structure.cycles(graph) == [["pkg.a", "pkg.b"]]
     assert len(py_structure.underscore_reads(modules)) == 1
+
+
+def test_every_shared_array_of_the_kernels_is_declared_through_the_macro():
+    """RLHFZ_SHARED_ARRAY makes an array read as NaN at each block's start on
+    the simulated device, as a GPU promises nothing of it; one declared bare
+    would keep the last block's values there, which no GPU guarantees."""
+    bare = []
+    for path in sorted(glob.glob(os.path.join(ROOT, "kernels", "*.cu*"))):
+        if os.path.basename(path) == "cuda_check.cuh":      # the macro itself
+            continue
+        with open(path) as f:
+            for number, line in enumerate(f, 1):
+                if "__shared__" in line and not line.lstrip().startswith(("/*", "*", "//")):
+                    bare.append(f"{os.path.relpath(path, ROOT)}:{number}: {line.strip()}")
+    assert not bare, "declare these through RLHFZ_SHARED_ARRAY:\n" + "\n".join(bare)
 
 
 @pytest.mark.skipif(not glob.glob(os.path.join(ROOT, "build", "temp.*", "csrc", "*.o")),

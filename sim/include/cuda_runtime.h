@@ -40,6 +40,7 @@ typedef enum cudaError {
     cudaErrorLaunchOutOfResources = 701,
     cudaErrorHostMemoryAlreadyRegistered = 712,
     cudaErrorHostMemoryNotRegistered = 713,
+    cudaErrorMisalignedAddress = 716,
     cudaErrorLaunchFailure = 719,
     cudaErrorNotSupported = 801,
     cudaErrorUnknown = 999
@@ -184,7 +185,8 @@ cudaError_t cudasim_launch(dim3 grid, dim3 block, size_t shared_bytes, cudaStrea
 
 /* A kernel argument: a device pointer of the current device becomes its host
  * alias, a page-locked host pointer stays (mapped memory), NULL stays; any
- * other pointer fails the launch with cudaErrorIllegalAddress. */
+ * other pointer is the fault a GPU's kernel would hit when it used it:
+ * cudaErrorIllegalAddress, sticky on the current device. */
 cudaError_t cudasim_kernel_pointer(const void *ptr, void **usable, const char *name);
 
 /* Records a launch that failed before it reached the runtime as this
@@ -192,6 +194,12 @@ cudaError_t cudasim_kernel_pointer(const void *ptr, void **usable, const char *n
 void cudasim_set_last_error(cudaError_t error);
 
 void cudasim_syncthreads(void);
+
+/* A __shared__ array met by a thread of the running block (every thread
+ * passes its declaration): the first of the block fills it with all bits
+ * set, so what the block did not write reads as NaN. RLHFZ_SHARED_ARRAY
+ * (kernels/cuda_check.cuh) declares through it. */
+void cudasim_shared_fresh(void *address, size_t bytes);
 
 #ifdef __cplusplus
 }

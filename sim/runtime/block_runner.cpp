@@ -11,10 +11,15 @@
  * GPU may hang on or silently mis-order: here it is a launch failure, sticky
  * as a GPU's fault is. Under RLHFZ_SIM_CHAOS the blocks, and the threads in
  * each round, run in a random order.
+ *
+ * A GPU promises nothing of the shared memory a block has not written, so
+ * every __shared__ array (declared through cudasim_shared_fresh) reads as
+ * NaN, all bits set, when a block starts, never as the last block left it.
  */
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <cstring>
 #include <cstdio>
 #include <numeric>
 #include <string>
@@ -152,6 +157,22 @@ struct Runner {
 
 thread_local Runner runner;
 
+/* ---- __shared__ arrays: nothing carries over from the last block ---------------- */
+
+/* A __shared__ array of the kernels, as cudasim_shared_fresh() met it on
+ * this OS thread: which block and which launch last saw it. */
+struct SharedArray {
+    void *address;
+    std::size_t bytes;
+    std::uint64_t block;
+    std::uint64_t launch;
+};
+
+thread_local std::vector<SharedArray> shared_arrays;
+thread_local std::uint64_t block_serial = 0;
+thread_local std::uint64_t launch_serial = 0;
+thread_local std::size_t launch_shared_bytes = 0;
+
 void fiber_entry(void *argument)
 {
     Fiber *self = static_cast<Fiber *>(argument);
@@ -198,10 +219,33 @@ bool run_block(std::size_t threads, dim3 shape, std::mt19937_64 *order)
     }
 }
 
+/* The kernel this OS thread runs now, for the faults it may hit. */
+thread_local int kernel_device = -1;
+thread_local const char *kernel_name = nullptr;
+
+struct KernelScope {
+    KernelScope(int device, const char *name)
+    {
+        kernel_device = device;
+        kernel_name = name;
+    }
+    ~KernelScope()
+    {
+        kernel_device = -1;
+        kernel_name = nullptr;
+    }
+};
+
 } /* namespace */
 
-bool run_grid(dim3 grid, dim3 block, void (*body)(void *), void *closure, std::uint64_t order_seed,
-              const char **why)
+int running_kernel(const char **name)
+{
+    *name = kernel_name;
+    return kernel_device;
+}
+
+bool run_grid(dim3 grid, dim3 block, std::size_t dynamic_shared, void (*body)(void *),
+              void *closure, std::uint64_t order_seed, const char **why)
 {
     std::size_t threads = (std::size_t)block.x * block.y * block.z;
     runner.ensure(threads);
@@ -221,13 +265,20 @@ bool run_grid(dim3 grid, dim3 block, void (*body)(void *), void *closure, std::u
     }
     cudasim_block_dim = block;
     cudasim_grid_dim = grid;
+    ++launch_serial;
+    launch_shared_bytes = dynamic_shared;
     for (std::size_t i = 0; i < blocks; i++) {
+        ++block_serial;
         std::size_t b = order_seed ? sequence[i] : i;
         cudasim_block_idx = uint3{(unsigned)(b % grid.x), (unsigned)(b / grid.x % grid.y),
                                   (unsigned)(b / ((std::size_t)grid.x * grid.y))};
         if (!run_block(threads, block, order_seed ? &order : nullptr)) {
             *why = "the threads of a block diverged at __syncthreads() (some returned while "
                    "others waited)";
+            return false;
+        }
+        if (launch_shared_bytes > MAX_SHARED_BYTES) {
+            *why = "its __shared__ arrays and dynamic shared memory hold more than 48 KiB";
             return false;
         }
     }
@@ -245,6 +296,28 @@ extern "C" void cudasim_syncthreads(void)
         return;      /* host code: nothing to wait for */
     self->waiting = true;
     cudasim_fiber_switch(&self->context, runner.scheduler);
+}
+
+extern "C" void cudasim_shared_fresh(void *address, size_t bytes)
+{
+    if (!runner.running)
+        return;      /* host code */
+    SharedArray *array = nullptr;
+    for (SharedArray &known : shared_arrays)
+        if (known.address == address)
+            array = &known;
+    if (!array) {
+        shared_arrays.push_back(SharedArray{address, bytes, 0, 0});
+        array = &shared_arrays.back();
+    }
+    if (array->launch != launch_serial) {
+        array->launch = launch_serial;
+        launch_shared_bytes += bytes;
+    }
+    if (array->block != block_serial) {      /* the block's first thread to get here */
+        array->block = block_serial;
+        std::memset(address, 0xFF, bytes);
+    }
 }
 
 extern "C" cudaError_t cudasim_launch(dim3 grid, dim3 block, size_t shared_bytes,
@@ -275,7 +348,9 @@ extern "C" cudaError_t cudasim_launch(dim3 grid, dim3 block, size_t shared_bytes
     std::string kernel = name ? name : "a kernel";
     enqueue(stream, [=] {
         const char *why = nullptr;
-        if (sticky(device) == cudaSuccess && !run_grid(grid, block, run, closure, seed, &why)) {
+        KernelScope scope(device, kernel.c_str());
+        if (sticky(device) == cudaSuccess &&
+            !run_grid(grid, block, shared_bytes, run, closure, seed, &why)) {
             std::string text = "kernel " + kernel + ": " + why;
             set_sticky(device, cudaErrorLaunchFailure, text.c_str());
         }

@@ -499,8 +499,10 @@ extern "C" cudaError_t cudasim_kernel_pointer(const void *ptr, void **usable, co
                        : where == Where::freed ? "a freed or out-of-range device address"
                        : where == Where::alias ? "the host alias of device memory"
                                                : "host memory that is not page-locked";
-    std::fprintf(stderr, "cudasim: launch of %s: pointer argument %p is %s (current device %d)\n",
-                 name ? name : "a kernel", ptr, what, current_device());
+    char why[256];
+    std::snprintf(why, sizeof why, "launch of %s: pointer argument %p is %s",
+                  name ? name : "a kernel", ptr, what);
+    set_sticky(current_device(), cudaErrorIllegalAddress, why);
     *usable = const_cast<void *>(ptr);
     return cudaErrorIllegalAddress;
 }

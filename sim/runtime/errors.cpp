@@ -72,6 +72,7 @@ const struct {
      "part or all of the requested memory range is already mapped"},
     {cudaErrorHostMemoryNotRegistered, "cudaErrorHostMemoryNotRegistered",
      "pointer does not correspond to a registered memory region"},
+    {cudaErrorMisalignedAddress, "cudaErrorMisalignedAddress", "misaligned address"},
     {cudaErrorLaunchFailure, "cudaErrorLaunchFailure", "unspecified launch failure"},
     {cudaErrorNotSupported, "cudaErrorNotSupported", "operation not supported"},
     {cudaErrorUnknown, "cudaErrorUnknown", "unknown error"},
@@ -95,7 +96,8 @@ cudaError_t usual_failure(const std::string &call)
 /* The errors after which a GPU's context is lost for good. */
 bool sticky_on_a_gpu(cudaError_t err)
 {
-    return err == cudaErrorIllegalAddress || err == cudaErrorLaunchFailure;
+    return err == cudaErrorIllegalAddress || err == cudaErrorMisalignedAddress ||
+           err == cudaErrorLaunchFailure;
 }
 
 bool parse_error_name(const std::string &name, cudaError_t *out)

@@ -88,9 +88,13 @@ std::uint64_t chaos_seed_for(Stream *stream);
 /* ---- kernels (block_runner.cpp) -------------------------------------------------------- */
 
 /* Runs a whole grid on this OS thread. Returns false (with why) if a block's
- * threads did not all reach the same barriers. */
-bool run_grid(dim3 grid, dim3 block, void (*run)(void *), void *closure, std::uint64_t order_seed,
-              const char **why);
+ * threads did not all reach the same barriers, or its shared memory is over
+ * the limit. */
+bool run_grid(dim3 grid, dim3 block, std::size_t dynamic_shared, void (*run)(void *),
+              void *closure, std::uint64_t order_seed, const char **why);
+/* The device of the kernel this OS thread is running (and *name its name),
+ * or -1 outside a kernel. */
+int running_kernel(const char **name);
 
 } /* namespace cudasim */
 

@@ -3,17 +3,20 @@
  * errors a GPU would give for what rlhfz's own entry points never pass on
  * (a host pointer as a kernel argument, a diverged barrier, a bad launch).
  *
- *     c++ -std=c++17 -Isim/include runtime_selftest.cpp -lcudasim -o selftest
+ *     c++ -std=c++17 -fsanitize=alignment -Isim/include runtime_selftest.cpp \
+ *         -lcudasim -o selftest
  *
  * Prints one line per check and exits 1 if any failed. Run with
  * RLHFZ_SIM_DEVICES=2. The last check leaves device 0's context lost (a
- * sticky error), as a kernel fault does on a GPU.
+ * sticky error), as a kernel fault does on a GPU. So does every fault
+ * `selftest FAULT` makes, one process each (see faults below).
  */
 #include <cuda_runtime.h>
 
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -48,6 +51,37 @@ __global__ void block_sums(const float *x, size_t n, double *out)
     }
     if (t == 0)
         out[blockIdx.x] = partial[0];
+}
+
+#define SHARED_ARRAY(type, name, count) \
+    __shared__ type name[count];         \
+    cudasim_shared_fresh(name, sizeof(name))
+
+/* Block 0 writes its shared array and reads it back after a barrier; every
+ * later block reads it unwritten. */
+__global__ void shared_leftovers(float *out)
+{
+    SHARED_ARRAY(float, scratch, 32);
+    if (blockIdx.x == 0)
+        scratch[threadIdx.x] = 1.0f + threadIdx.x;
+    __syncthreads();
+    out[blockIdx.x * blockDim.x + threadIdx.x] = scratch[(threadIdx.x + 1) % blockDim.x];
+}
+
+/* More static shared memory than any GPU gives a block without opting in. */
+__global__ void too_much_shared(float *out)
+{
+    SHARED_ARRAY(double, big, 7000);
+    big[threadIdx.x] = 1.0;
+    __syncthreads();
+    out[threadIdx.x] = (float)big[0];
+}
+
+/* A 16-byte load off a 16-byte boundary. */
+__global__ void misaligned_load(const float *x, float *out)
+{
+    const float4 *p = reinterpret_cast<const float4 *>(x + 1);
+    out[threadIdx.x] = p[0].x;
 }
 
 /* Thread 0 leaves before the barrier the others wait at. */
@@ -86,8 +120,43 @@ double sum_on_device(const std::vector<float> &host, unsigned blocks, dim3 shape
 
 } /* namespace */
 
-int main()
+/* Faults after which the device's context is lost: one process each. */
+int fault(const std::string &which)
 {
+    float *x = nullptr, *out = nullptr;
+    std::vector<float> host(64);
+    check(cudaMalloc((void **)&x, 64 * sizeof(float)) == cudaSuccess &&
+              cudaMalloc((void **)&out, 64 * sizeof(float)) == cudaSuccess, "two allocations");
+    cudaError_t expected = cudaErrorIllegalAddress;
+    if (which == "host-pointer") {
+        CUDASIM_LAUNCH(1, 32, 0, nullptr, block_sums)(host.data(), (size_t)64, (double *)out);
+    } else if (which == "other-device") {
+        float *other = nullptr;
+        check(cudaSetDevice(1) == cudaSuccess &&
+                  cudaMalloc((void **)&other, 256) == cudaSuccess &&
+                  cudaSetDevice(0) == cudaSuccess, "an allocation on device 1");
+        CUDASIM_LAUNCH(1, 32, 0, nullptr, block_sums)(other, (size_t)64, (double *)out);
+    } else if (which == "misaligned") {
+        expected = cudaErrorMisalignedAddress;
+        CUDASIM_LAUNCH(1, 32, 0, nullptr, misaligned_load)(x, out);
+    } else if (which == "shared-over-48k") {
+        expected = cudaErrorLaunchFailure;
+        CUDASIM_LAUNCH(1, 32, 0, nullptr, too_much_shared)(out);
+    } else {
+        std::printf("unknown fault %s\n", which.c_str());
+        return 2;
+    }
+    cudaError_t first = cudaDeviceSynchronize();
+    check(first == expected || cudaGetLastError() == expected, ("fault " + which).c_str());
+    check(cudaMalloc((void **)&x, 64) == expected, "and every later call fails with it");
+    std::printf("%d failed\n", failures);
+    return failures ? 1 : 0;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc > 1)
+        return fault(argv[1]);
     std::vector<float> host(100003);
     double expected = 0.0;
     for (size_t i = 0; i < host.size(); i++) {
@@ -108,8 +177,6 @@ int main()
     double *out = nullptr;
     cudaMalloc((void **)&x, 64 * sizeof(float));
     cudaMalloc((void **)&out, sizeof(double));
-    CUDASIM_LAUNCH(1, 32, 0, nullptr, block_sums)(host.data(), (size_t)64, out);
-    check(cudaGetLastError() == cudaErrorIllegalAddress, "a host pointer as a kernel argument");
     CUDASIM_LAUNCH(1, 2048, 0, nullptr, block_sums)(x, (size_t)64, out);
     check(cudaGetLastError() == cudaErrorInvalidConfiguration, "2048 threads in a block");
     check(cudaGetLastError() == cudaSuccess, "launch errors are not sticky");
@@ -141,9 +208,6 @@ int main()
         cudaSetDevice(0);
         check(cudaMemsetAsync(other, 0, 256, nullptr) == cudaErrorInvalidValue,
               "a memset of device 1's memory while device 0 is current");
-        CUDASIM_LAUNCH(1, 32, 0, nullptr, block_sums)((const float *)other, (size_t)64, out);
-        check(cudaGetLastError() == cudaErrorIllegalAddress,
-              "a kernel on device 0 given device 1's memory");
         cudaSetDevice(1);
         check(cudaFree(other) == cudaSuccess, "freeing it with its device current");
         cudaSetDevice(0);
@@ -167,6 +231,17 @@ int main()
     for (cudaStream_t stream : fresh)
         cudaStreamDestroy(stream);
     (void)cudaGetLastError();
+
+    float *leftovers = nullptr;
+    std::vector<float> seen(3 * 32);
+    bool shared_ok = cudaMalloc((void **)&leftovers, seen.size() * sizeof(float)) == cudaSuccess;
+    CUDASIM_LAUNCH(3, 32, 0, nullptr, shared_leftovers)(leftovers);
+    shared_ok = shared_ok && cudaMemcpy(seen.data(), leftovers, seen.size() * sizeof(float),
+                                        cudaMemcpyDeviceToHost) == cudaSuccess;
+    for (unsigned i = 0; i < seen.size(); i++)
+        shared_ok = shared_ok && (i < 32 ? seen[i] == 1.0f + (i + 1) % 32 : seen[i] != seen[i]);
+    check(shared_ok, "__shared__ keeps a block's writes, and reads as NaN in the next block");
+    cudaFree(leftovers);
 
     int *flag = nullptr;
     cudaMalloc((void **)&flag, sizeof(int));
