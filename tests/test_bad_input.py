@@ -173,6 +173,38 @@ def test_nonfinite_grad_skip_policy_skips_the_step():
     assert opt.state[params[0]]["step"].item() == 2
 
 
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_skipped_nan_step_after_a_clip_leaves_later_steps_alone(stage):
+    """Clipping by a NaN norm multiplies every grad by NaN, as torch's does;
+    the zero padding between params in a bucket must not take it, or every
+    later norm is NaN and every later step skipped."""
+    def run(opt_of, skip_by_hand):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 4))
+        opt = opt_of(model)
+        for step in range(5):
+            opt.zero_grad()
+            data = torch.randn(5, 8, generator=torch.Generator().manual_seed(step))
+            model(data).pow(2).sum().backward()
+            if step == 1:
+                model[0].weight.grad.view(-1)[0] = float("nan")
+            if skip_by_hand:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                if step != 1:
+                    opt.step()
+            else:
+                opt.clip_grad_norm_(1.0)
+                opt.step()
+        return model, opt
+
+    ours, opt = run(lambda m: rlhfz.ZeroAdamW(m.parameters(), lr=3e-3, stage=stage,
+                                              nonfinite="skip"), False)
+    theirs, _ = run(lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3), True)
+    assert opt.skipped_steps == 1
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=1e-6)
+
+
 def test_nonfinite_none_propagates_like_torch():
     p = torch.nn.Parameter(torch.ones(4))
     q = torch.nn.Parameter(torch.ones(4))

@@ -335,7 +335,15 @@ class ShardEngine:
         self._scale_views(plans, factor)
 
     def _scale_views(self, plans, factor: float) -> None:
-        for view in self._grad_views(plans):
+        if math.isfinite(factor):
+            views = self._grad_views(plans)
+        else:
+            # NaN or Inf times the zero padding between params is NaN, and
+            # nothing writes padding again: every later norm would be NaN.
+            views = [p.bucket.grad_shard_kview_range(a, b)
+                     for p in plans for start, stop, _, _ in p.segments
+                     for a, b in p.bucket.shard.local[start:stop] if a < b]
+        for view in views:
             self.backend.scale_(view, factor)
 
     def norm(self, plans, norm_type: float = 2.0) -> float:
