@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 
 import torch
 
@@ -25,6 +26,7 @@ from .state_dict_hooks import gathered_values
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
 def save_pretrained(model, path, *, max_shard_size="5GB", adapters="merged") -> None:
@@ -174,21 +176,38 @@ def _stream(record, inner, path: str, limit: int) -> None:
             writer.abort()
         raise
     if first:
+        # an earlier save's files go before the new index: a stale
+        # model.safetensors would be read first
+        _drop_stale_weights(path, names)
         if len(names) > 1:
             weight_map = {name: names[where[name]] for name, _, _ in sizes}
-            with open(os.path.join(path, _INDEX), "w") as f:
+            staged = os.path.join(path, f".{_INDEX}.tmp")
+            with open(staged, "w") as f:
                 json.dump({"metadata": {"total_size": sum(nbytes(*s[1:]) for s in sizes)},
                            "weight_map": weight_map}, f, indent=2, sort_keys=True)
+            os.replace(staged, os.path.join(path, _INDEX))
         holder.config.save_pretrained(path)
         generation = getattr(holder, "generation_config", None)
         if generation is not None and getattr(holder, "can_generate", lambda: False)():
             generation.save_pretrained(path)
 
 
+def _drop_stale_weights(path: str, written: list[str]) -> None:
+    """Removes the weight files and index of an earlier save into `path`
+    that this one did not write, as transformers' save_pretrained does: a
+    load must never read them."""
+    keep = set(written) | ({_INDEX} if len(written) > 1 else set())
+    for name in os.listdir(path):
+        stale = name in (_SINGLE, _INDEX) or _SHARD_NAME.fullmatch(name) is not None
+        if stale and name not in keep:
+            os.unlink(os.path.join(path, name))
+
+
 def _files(path: str) -> dict[str, str]:
-    """Tensor name -> the safetensors file that holds it."""
+    """Tensor name -> the safetensors file that holds it: model.safetensors
+    when there is one, as transformers reads it, else the index's files."""
     index = os.path.join(path, _INDEX)
-    if os.path.exists(index):
+    if os.path.exists(index) and not os.path.exists(os.path.join(path, _SINGLE)):
         with open(index) as f:
             weight_map = json.load(f).get("weight_map")
         if not isinstance(weight_map, dict):

@@ -347,3 +347,26 @@ def lora_saved(rank, world_size, directory, steps):
     rlhfz.save_pretrained(model, os.path.join(directory, "merged"), max_shard_size="200KB")
     rlhfz.save_pretrained(model, os.path.join(directory, "adapters"), adapters="only")
     return rlhfz.full_state_dict(model)
+
+
+def pretrained_saved_over(rank, world_size, directory, kind):
+    """save_pretrained into a directory an earlier save wrote, in pieces
+    and then whole and then in pieces again: each time load_pretrained
+    reads what the last save wrote, and no file of the earlier one is left."""
+    model = tiny_lm(kind)
+    opt = rlhfz.ZeroAdamW(model, stage=3, lr=1e-2, param_persistence_threshold=64)
+    seen = []
+    for step, limit in enumerate(["100KB", "5GB", "100KB"]):
+        opt.zero_grad()
+        lm_loss(model, batches(1, seed=step)[0][rank::world_size]).backward()
+        opt.step()
+        rlhfz.save_pretrained(model, directory, max_shard_size=limit)
+        whole = rlhfz.full_state_dict(model, rank0_only=False)
+        fresh = rlhfz.shard_model(tiny_lm(kind, seed=9), param_persistence_threshold=0)
+        rlhfz.load_pretrained(fresh, directory)
+        loaded = rlhfz.full_state_dict(fresh, rank0_only=False)
+        torch.distributed.barrier()
+        seen.append({"files": sorted(f for f in os.listdir(directory) if "safetensors" in f),
+                     "equal": all(torch.equal(whole[k], loaded[k]) for k in whole)})
+        torch.distributed.barrier()        # every rank has read before the next save
+    return seen

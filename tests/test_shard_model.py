@@ -165,6 +165,29 @@ def test_save_pretrained_writes_what_transformers_loads_bit_exactly(tmp_path, ki
         assert 0 < r["save_peak"] <= r["largest_unit"]       # one unit at a time
 
 
+def test_save_pretrained_over_an_earlier_save_leaves_only_its_own_files(tmp_path):
+    seen = run_ranks(workers.pretrained_saved_over, 2, str(tmp_path), "gpt2")[0]
+    pieces, whole, pieces_again = (s["files"] for s in seen)
+    assert all(s["equal"] for s in seen)
+    assert "model.safetensors.index.json" in pieces and "model.safetensors" not in pieces
+    assert whole == ["model.safetensors"]
+    assert pieces_again == pieces
+
+
+def test_load_pretrained_reads_the_single_file_before_a_stale_index(tmp_path):
+    """transformers' own save of a whole model leaves an earlier save's
+    index; like from_pretrained, load_pretrained reads model.safetensors."""
+    model = stage3_workers.tiny_lm("gpt2")
+    rlhfz.save_pretrained(model, tmp_path, max_shard_size="100KB")
+    with torch.no_grad():
+        model.transformer.wte.weight.add_(1.0)
+    rlhfz.save_pretrained(model, tmp_path)
+    twin = stage3_workers.tiny_lm("gpt2", seed=4)
+    rlhfz.load_pretrained(twin, tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(twin.state_dict().values(),
+                                                  model.state_dict().values()))
+
+
 def test_load_pretrained_checks_everything_before_writing(tmp_path):
     model = stage3_workers.tiny_lm("gpt2")
     model.save_pretrained(tmp_path)
