@@ -361,12 +361,10 @@ class ZeroAdamW(Optimizer):
         if units:
             self.stage3.add_units(units)
 
-    def _reform(self, storage: list[tuple]) -> None:
-        """A state dict that keeps its moments in another form (state_dtype,
-        min_8bit_size): the buckets are built anew in that form, in one
-        process at stages 0-2; elsewhere this refuses, before anything
-        changes."""
-        where = self._cannot_rebuild()
+    def _check_reform(self, storage: list[tuple]) -> None:
+        """Refuses a state dict that keeps its moments in another form
+        (state_dtype, min_8bit_size) where the buckets cannot be built anew."""
+        where = self._cannot_rebuild() if storage != self._built_storage else None
         if where is not None:
             raise ValueError(
                 f"the state dict keeps its moments as (state_dtype, min_8bit_size) "
@@ -374,6 +372,12 @@ class ZeroAdamW(Optimizer):
                 f"one process at stages 0-2, not {where}: build the optimizer with the "
                 f"state dict's state_dtype, or set its param_groups' state_dtype to this "
                 f"optimizer's before loading")
+
+    def _reform(self, storage: list[tuple]) -> None:
+        """A state dict that keeps its moments in another form: the buckets
+        are built anew in that form, in one process at stages 0-2; elsewhere
+        this refuses, before anything changes."""
+        self._check_reform(storage)
         self.synchronize()
         self._rebuild(self.backend, self.device, storage)
 
@@ -588,6 +592,7 @@ class ZeroAdamW(Optimizer):
     def check_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Raises ValueError if load_state_dict would refuse the dict."""
         translate.check_state_dict(self.engine, self.param_groups, state_dict)
+        self._check_reform(translate.storage_after_load(self.param_groups, state_dict))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a torch.optim.AdamW-format state dict (from torch or from rlhfz).

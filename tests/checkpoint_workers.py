@@ -3,6 +3,7 @@
 Every body trains on data derived only from the step number, so a run that
 is saved and resumed can be compared with one that never stopped."""
 import copy
+import os
 
 import torch
 
@@ -121,3 +122,48 @@ def model_alone_of_a_sharded_model(rank, world_size, path):
             # fresh moments on the other side: the two runs part, but both train
             "trained": all(not torch.equal(other_after[k], loaded[k]) for k in loaded
                            if "weight" in k) and len(after) == len(other_after)}
+
+
+def save_inside_a_gather(rank, world_size, path):
+    """A value written into a gathered stage-3 param inside
+    gather_for_generation: a checkpoint of the optimizer taken there is
+    refused; the model alone, and one taken after, hold the value."""
+    model, opt = build("mlp", 3)
+    train(model, opt, "mlp", rank, world_size, 0, 2)
+    refused = None
+    with rlhfz.gather_for_generation(model):
+        with torch.no_grad():
+            model[0].weight.fill_(0.5)
+        try:
+            rlhfz.save_checkpoint(os.path.join(path, "inside"), model, opt)
+        except RuntimeError as error:
+            refused = str(error)
+        rlhfz.save_checkpoint(os.path.join(path, "model-inside"), model)
+    rlhfz.save_checkpoint(os.path.join(path, "after"), model, opt)
+    found = {}
+    for name in ("model-inside", "after"):
+        other, other_opt = build("mlp", 3)
+        rlhfz.load_checkpoint(os.path.join(path, name), other,
+                              other_opt if name == "after" else None)
+        found[name] = bool((rlhfz.full_state_dict(other, rank0_only=False)["0.weight"]
+                            == 0.5).all())
+    return {"refused": refused, "found": found,
+            "inside_written": os.path.exists(os.path.join(path, "inside"))}
+
+
+def consolidated_of_another_state_dtype(rank, world_size, path):
+    """A consolidated checkpoint whose optimizer kept int8 moments, loaded
+    across processes into an fp32 one, which cannot change form there: it
+    is refused before the model's params are written."""
+    model, opt = build("mlp", 2, state_dtype="int8")
+    train(model, opt, "mlp", rank, world_size, 0, 2)
+    rlhfz.save_consolidated(path, model, opt)
+    target, target_opt = build("mlp", 2)
+    train(target, target_opt, "mlp", rank, world_size, 5, 6)
+    before = whole(target, target_opt)
+    try:
+        rlhfz.load_checkpoint(path, target, target_opt)
+        error = None
+    except rlhfz.CheckpointError as caught:
+        error = str(caught)
+    return {"error": error, "before": before, "after": whole(target, target_opt)}

@@ -248,6 +248,22 @@ def test_consolidated_with_a_bad_optimizer_state_changes_nothing(tmp_path):
     assert_same(before, snapshot(target, target_opt))
 
 
+def test_a_checkpoint_of_another_min_8bit_size_with_the_same_split_keeps_stepping(tmp_path):
+    """Both thresholds put the same params in int8 (2257 elements above,
+    1769 below), so the moments load as they are; the loaded optimizer keeps
+    the threshold its buckets were built with and steps on as the saved one."""
+    model, opt = workers.build("mlp", 2, state_dtype="int8", min_8bit_size=2000)
+    workers.train(model, opt, "mlp", 0, 1, 0, 2)
+    rlhfz.save_checkpoint(tmp_path, model, opt)
+    target, target_opt = workers.build("mlp", 2, state_dtype="int8", min_8bit_size=2200)
+    rlhfz.load_checkpoint(tmp_path, target, target_opt)
+    assert target_opt.param_groups[0]["min_8bit_size"] == 2200
+    workers.train(model, opt, "mlp", 0, 1, 2, 4)
+    workers.train(target, target_opt, "mlp", 0, 1, 2, 4)
+    for a, b in zip(model.parameters(), target.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_progress_shows_only_when_asked(tmp_path, capfd, monkeypatch):
     model, opt = workers.build("mlp", 2)
     rlhfz.save_checkpoint(tmp_path, model, opt)
@@ -290,6 +306,25 @@ def test_two_ranks_resume_bitwise_and_reshard(tmp_path, kind, stage, dtype, opti
     single = workers.load_and_continue(0, 1, path, kind, 2, dtype, {})
     assert_equal(single["loaded"], saved)
     assert single["client"] == {"step": 3}
+
+
+def test_a_consolidated_optimizer_of_another_form_is_refused_before_any_write(tmp_path):
+    results = _run(workers.consolidated_of_another_state_dtype, 2, str(tmp_path / "ck"))
+    for result in results:
+        assert "keeps its moments as" in result["error"]
+        assert_equal(result["after"], result["before"])
+
+
+def test_a_save_inside_a_gather_is_refused(tmp_path):
+    """Writes to gathered stage-3 params reach the shards when their units
+    are released: a checkpoint of the optimizer taken inside the context
+    would miss them, so it is refused; the model alone gathers what it
+    saves, and holds them."""
+    results = _run(workers.save_inside_a_gather, 2, str(tmp_path))
+    for result in results:
+        assert "save after it closes" in result["refused"]
+        assert result["found"] == {"model-inside": True, "after": True}
+        assert not result["inside_written"]
 
 
 def test_a_failure_on_one_rank_fails_every_rank_and_changes_nothing(tmp_path):

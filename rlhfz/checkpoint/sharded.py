@@ -180,6 +180,8 @@ def save_checkpoint(path, model, optimizer=None, client_state: dict | None = Non
         return
     _check_optimizer(optimizer)
     optimizer.synchronize()          # copies a non-blocking move left in flight
+    # writes to gathered params reach the shards only when their units go
+    refuse_while_gathered(optimizer, "save")
     optimizer.take_outside_writes()
     path = os.fspath(path)
     comm = optimizer.comm
@@ -439,7 +441,9 @@ def _apply(index, plan, files, model, optimizer) -> None:
                 target.copy_(files[0].read(f"module.{name}"))
         for group, saved_group in zip(optimizer.param_groups, index["param_groups"]):
             for key, value in saved_group.items():
-                if key not in ("params", "param_names"):
+                # the form the moments are kept in is this optimizer's, built
+                # in (each bucket's was checked against the checkpoint's)
+                if key not in ("params", "param_names", "state_dtype", "min_8bit_size"):
                     group[key] = tuple(value) if isinstance(value, list) else value
     optimizer.engine.grads_changed()
     if model is not None:
