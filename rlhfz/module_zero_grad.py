@@ -37,4 +37,4 @@ def _zero_grad(self, set_to_none: bool = True) -> None:
     if engines:
         ids = {id(p) for p in self.parameters()}
         for engine in engines:
-            engine.zero_param_grads(ids)
+            engine.zero_param_grads(ids, set_to_none)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .engine import DTYPE_NAMES, Bucket, rank_range, stage2_bucket_bytes, torch_view
+from .engine import DTYPE_NAMES, Bucket, check_grad_dtype, rank_range, stage2_bucket_bytes, torch_view
 
 
 class _Progress:
@@ -336,20 +336,28 @@ class GradReducer:
                         "optimizer that has no state yet). Load the state with "
                         "optimizer.load_state_dict instead, or set grads of the full shape"
                         if placeholder else ""))
+            check_grad_dtype(p, p.grad, bucket.group_index)
         for bucket, i, p in handed:
             self.on_grad(bucket, i, p)
         self.flush()
 
-    def zero(self) -> None:
+    def zero(self, set_to_none: bool = True) -> None:
+        """The grads start over. set_to_none=False keeps, as torch does, a
+        zero grad for every param that had one, so the next step steps it
+        (weight decay, momentum) even if no grad comes for it."""
         self.flush()
         for bucket in self.buckets:
             progress = self._of(bucket)
-            progress.arrived = [False] * len(bucket.params)
             progress.accumulated = False
+            if set_to_none:
+                progress.arrived = [False] * len(bucket.params)
+            elif any(progress.arrived):
+                bucket.flat_grad_shard.zero_()
 
-    def zero_param(self, bucket: Bucket, index: int) -> None:
+    def zero_param(self, bucket: Bucket, index: int, set_to_none: bool = True) -> None:
         """One param's grad starts over: its elements of this rank's shard
-        are zeroed, and until a grad comes it has none (as p.grad = None)."""
+        are zeroed, and until a grad comes it has none (as p.grad = None),
+        or a zero one (set_to_none=False, as torch's zero_())."""
         self.flush()
         shard = bucket.flat_grad_shard
         lo, hi = rank_range(bucket.shard.rank, shard.numel())
@@ -357,7 +365,8 @@ class GradReducer:
         start, stop = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
         if start < stop:
             shard[start - lo:stop - lo].zero_()
-        self._of(bucket).arrived[index] = False
+        if set_to_none:
+            self._of(bucket).arrived[index] = False
 
 
 def _reduce_and_add(comm, bucket: Bucket, flat: torch.Tensor, target: torch.Tensor) -> None:

@@ -613,3 +613,73 @@ def _clip_sequence(model, opt, rank, world_size):
     norms.append(clip(0.3))
     opt.step()
     return {"norms": norms, "params": [p.detach().clone() for p in model.parameters()]}
+
+
+def zero_grads_kept_as_zeros(rank, world_size, stage, how):
+    """zero_grad(set_to_none=False), from the optimizer or the module, keeps
+    a zero grad for every param that had one: in torch a param that gets no
+    grad in the next backward still steps (weight decay and momentum). The
+    last layer gets none in the last two steps. Every rank sees the whole
+    batch, so the mean over ranks is one process's grad."""
+    def run(model, opt):
+        x, y = batches(1)[0]
+        for step in range(4):
+            if how == "module":
+                model.zero_grad(set_to_none=False)
+            else:
+                opt.zero_grad(set_to_none=False)
+            out = model[:4](x) if step >= 2 else model(x)
+            (out.pow(2).mean() if step >= 2 else torch.nn.functional.mse_loss(out, y)).backward()
+            opt.step()
+        return {name: t.clone() for name, t in rlhfz.iter_full_params(model)} \
+            if isinstance(opt, rlhfz.ZeroAdamW) else dict(model.named_parameters())
+
+    model, plain = make_model(), make_model()
+    opt = rlhfz.ZeroAdamW(model if stage == 3 else model.parameters(), lr=1e-2, stage=stage,
+                          **({"param_persistence_threshold": 0} if stage == 3 else {}))
+    ours = run(model, opt)
+    theirs = run(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2))
+    opt.close()
+    return {name: float((ours[name] - theirs[name].detach()).abs().max()) for name in theirs}
+
+
+def stage1_clip_of_whole_grads(rank, world_size):
+    """At stage 1 p.grad holds the whole mean grad after the step's
+    reduction: a clip scales all of it, as torch's clip of DDP's grads does,
+    and a backward that adds to clipped grads is reduced with them."""
+    model, plain = make_model(), make_model()
+    opt = rlhfz.ZeroAdamW(model.parameters(), lr=1e-2, stage=1)
+    ref = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    (x, y), (x2, y2) = batches(2)
+    shard = slice(rank, None, world_size)
+    torch.nn.functional.mse_loss(model(x[shard]), y[shard]).backward()
+    opt.clip_grad_norm_(0.1)
+    clipped = [p.grad.clone() for p in model.parameters()]
+    torch.nn.functional.mse_loss(model(x2[shard]), y2[shard]).backward()
+    opt.step()
+    torch.nn.functional.mse_loss(plain(x), y).backward()
+    torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.1)
+    expected = [p.grad.clone() for p in plain.parameters()]
+    torch.nn.functional.mse_loss(plain(x2), y2).backward()
+    ref.step()
+    opt.close()
+    return {"clipped": max(float((a - b).abs().max()) for a, b in zip(clipped, expected)),
+            "stepped": max(float((a.grad - b.grad).abs().max())
+                           for a, b in zip(model.parameters(), plain.parameters()))}
+
+
+def grad_of_another_dtype(rank, world_size, stage):
+    """A grad set by hand whose dtype p.grad.data changed, on the path that
+    reduces hand-set grads at stages 2 and 3: refused before any collective."""
+    model = make_model()
+    opt = rlhfz.ZeroAdamW(model if stage == 3 else model.parameters(), lr=1e-2, stage=stage)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    model[0].weight.grad.data = model[0].weight.grad.data.double()
+    try:
+        opt.step()
+        refused = None
+    except TypeError as error:
+        refused = str(error)
+    opt.close()
+    return refused

@@ -205,6 +205,20 @@ def test_a_skipped_nan_step_after_a_clip_leaves_later_steps_alone(stage):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float64, torch.bfloat16])
+def test_a_grad_of_another_dtype_through_data_is_refused(dtype):
+    """torch refuses p.grad = t of another dtype, but p.grad.data = t gets
+    past it; torch's AdamW then fails, and so does rlhfz, before any write."""
+    params, opt = _trained()
+    params[0].grad = torch.ones(7, 3)
+    params[0].grad.data = torch.ones(7, 3, dtype=dtype)
+    params[1].grad = torch.ones(3)
+    snap = _snapshot(opt, params)
+    with pytest.raises(TypeError, match=f"has a grad of dtype {dtype}"):
+        opt.step()
+    _assert_unchanged(opt, params, snap)
+
+
 def test_nonfinite_none_propagates_like_torch():
     p = torch.nn.Parameter(torch.ones(4))
     q = torch.nn.Parameter(torch.ones(4))

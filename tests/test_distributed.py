@@ -388,6 +388,24 @@ def test_module_zero_grad_clears_the_grads_in_the_shards(stage):
         assert norms == pytest.approx(expected, rel=1e-5)
 
 
+@pytest.mark.parametrize("how", ["optimizer", "module"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_grad_without_none_keeps_zero_grads_that_step(stage, how):
+    for diffs in run_ranks(workers.zero_grads_kept_as_zeros, 2, stage, how):
+        assert max(diffs.values()) < 1e-6, diffs
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_hand_set_grad_of_another_dtype_is_refused_on_every_rank(stage):
+    for refused in run_ranks(workers.grad_of_another_dtype, 2, stage):
+        assert "has a grad of dtype torch.float64" in refused
+
+
+def test_a_stage1_clip_scales_the_whole_mean_grad():
+    for result in run_ranks(workers.stage1_clip_of_whole_grads, 2):
+        assert result["clipped"] < 1e-7 and result["stepped"] < 1e-6, result
+
+
 def test_a_backward_while_grads_are_offloaded_says_to_reload():
     for refused in run_ranks(workers.backward_while_grads_offloaded, 2, 2):
         assert refused is not None and "call reload()" in refused

@@ -13,7 +13,7 @@ Nothing here imports torch.optim or another rlhfz module above it.
 """
 from .backends import (DTYPE_NAMES, CudaBackend, HostBackend, SimulatedCudaBackend, backend_for,
                        torch_view)
-from .bucket import Bucket
+from .bucket import Bucket, check_grad_dtype
 from .engine import INT8_SQ_LIMIT, BucketPlan, ShardEngine
 from .frozen_bucket import FrozenBucket
 from .host_memory import PinnedPool, host_buffer, pin_budget, pinned_memory, release_pinned
@@ -29,7 +29,8 @@ __all__ = ["ALIGN_BYTES", "INT8_SQ_LIMIT", "Bucket", "BucketLayout", "BucketPlan
            "FlatStorage", "FrozenBucket", "HostBackend", "MIN_BUCKET_BYTES", "PinnedPool", "QBLOCK",
            "REGIONS", "STATE_DTYPES", "STATE_NAMES", "STORED_MAPS", "ShardEngine", "ShardLayout",
            "ShardState",
-           "SimulatedCudaBackend", "Slot", "backend_for", "host_buffer", "layout_block",
+           "SimulatedCudaBackend", "Slot", "backend_for", "check_grad_dtype", "host_buffer",
+           "layout_block",
            "most_per_rank", "pin_budget", "pinned_memory", "plan_bucket", "rank_range", "region_dtype",
            "region_numel", "region_unit", "release_pinned", "shard_owner", "state_regions",
            "shard_size", "split_by_bytes", "stage2_bucket_bytes", "torch_view"]

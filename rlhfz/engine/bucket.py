@@ -493,6 +493,7 @@ class Bucket:
         if grad.shape != view.shape:
             raise ValueError(f"gradient of shape {tuple(grad.shape)} for a param of shape "
                              f"{tuple(view.shape)}")
+        check_grad_dtype(p, grad, self.group_index)
         with torch.no_grad():
             view.copy_(grad)
         p.grad = view
@@ -573,6 +574,16 @@ class Bucket:
                 extra[name] = self.storage.view(prefix + name, a, b - a)
         return extra
 
+    def grad_kview_range(self, lo: int, hi: int):
+        """The whole bucket's grads (stages 0 and 1), elements [lo, hi)."""
+        return self.storage.view("grad", lo, hi - lo)
+
+    @property
+    def reduces_in_staging(self) -> bool:
+        """Stage 1 with 16-bit grads: the step reads the mean from an fp32
+        copy of the grads, not from the grads themselves."""
+        return self._grad_shard_at[0] == "reduce_staging"
+
     def grad_shard_kview_range(self, lo: int, hi: int):
         """The (reduced) grads of shard elements [lo, hi)."""
         name, start = self._grad_shard_at
@@ -592,3 +603,12 @@ def _make_grad_hook(bucket_ref, index, sink):
         if bucket is not None:
             sink(bucket, index, param)
     return hook
+
+
+def check_grad_dtype(param: torch.Tensor, grad: torch.Tensor, group: int) -> None:
+    """A grad must have its param's dtype, as torch's AdamW requires: one of
+    another dtype (set through p.grad.data) would be cast without a word."""
+    if grad.dtype != param.dtype:
+        raise TypeError(f"a param of dtype {param.dtype} (group {group}, shape "
+                        f"{tuple(param.shape)}) has a grad of dtype {grad.dtype}: a grad "
+                        f"must have its param's dtype")

@@ -184,25 +184,26 @@ class ShardEngine:
         self.grads_changed()
         self._pending_clip = None        # the grads it scaled are gone
         if self.reducer is not None:
-            self.reducer.zero()          # stage 2 holds no full grads: the shards start over
+            self.reducer.zero(set_to_none)   # stage 2 holds no full grads: the shards start over
         for bucket in self.buckets:
             bucket.reattach_moved()      # a cast since the last step: grads and params home first
             bucket.zero_grads(set_to_none)
 
-    def zero_param_grads(self, ids: set) -> None:
+    def zero_param_grads(self, ids: set, set_to_none: bool = True) -> None:
         """module.zero_grad() over params of this optimizer whose grads live
         in the reducer's shards (p.grad is None, so torch's finds nothing):
-        those params' grads start over, as a p.grad = None would make them."""
+        those params' grads start over, as p.grad = None (or, with
+        set_to_none=False, p.grad.zero_()) would make them."""
         hits = [(b, i) for b in self.buckets for i, p in enumerate(b.params) if id(p) in ids]
         if not hits:
             return
         if len(hits) == sum(len(b.params) for b in self.buckets):
-            self.zero_grads(set_to_none=True)
+            self.zero_grads(set_to_none)
             return
         self.settle_grads()              # a clip of the grads that stay applies to them alone
         self.grads_changed()
         for bucket, index in hits:
-            self.reducer.zero_param(bucket, index)
+            self.reducer.zero_param(bucket, index, set_to_none)
 
     def _grad_versions(self) -> tuple[int, ...]:
         if self.reducer is not None:
@@ -335,14 +336,29 @@ class ShardEngine:
         self._scale_views(plans, factor)
 
     def _scale_views(self, plans, factor: float) -> None:
-        if math.isfinite(factor):
-            views = self._grad_views(plans)
-        else:
-            # NaN or Inf times the zero padding between params is NaN, and
-            # nothing writes padding again: every later norm would be NaN.
-            views = [p.bucket.grad_shard_kview_range(a, b)
-                     for p in plans for start, stop, _, _ in p.segments
-                     for a, b in p.bucket.shard.local[start:stop] if a < b]
+        # NaN or Inf times the zero padding between params is NaN, and
+        # nothing writes padding again: every later norm would be NaN. So a
+        # non-finite factor scales each param's own elements only.
+        finite = math.isfinite(factor)
+        views = []
+        for plan in plans:
+            bucket = plan.bucket
+            whole = bucket.full_grads and bucket.world_size > 1
+            if whole:
+                # stage 1: p.grad is the whole mean grad, reduced again after
+                # a write to it: all of it scales, not this rank's range alone
+                slots = bucket.layout.slots
+                ranges = ([(slots[a].offset, slots[b - 1].offset + slots[b - 1].numel)
+                           for a, b in plan.runs] if finite else
+                          [(slots[i].offset, slots[i].offset + slots[i].numel)
+                           for a, b in plan.runs for i in range(a, b)])
+                views += [bucket.grad_kview_range(lo, hi) for lo, hi in ranges if lo < hi]
+            if not whole or bucket.reduces_in_staging:
+                views += ([bucket.grad_shard_kview_range(lo, hi)
+                           for _, _, lo, hi in plan.segments] if finite else
+                          [bucket.grad_shard_kview_range(lo, hi)
+                           for start, stop, _, _ in plan.segments
+                           for lo, hi in bucket.shard.local[start:stop] if lo < hi])
         for view in views:
             self.backend.scale_(view, factor)
 
