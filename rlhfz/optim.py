@@ -481,6 +481,13 @@ class ZeroAdamW(Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None, grad_scaler=None):
+        stage3 = self.stage3
+        if stage3 is not None and (stage3.suspended or stage3.keep):
+            raise RuntimeError(
+                "step() inside gather_for_generation (enabled=True, or with a budget): the "
+                "units it holds whole would go on with the weights from before the step "
+                "until it closes. Step after the context closes (or use enabled=False, "
+                "which gathers each unit anew).")
         self.synchronize()
         loss = None
         if closure is not None:

@@ -431,7 +431,9 @@ def _pre_forward(ref, index):
         self = ref()
         if self is None or self.suspended:
             return
-        if not self.order_known:
+        if not self.order_known and self.running:
+            # only a forward of the root says the order: a submodule run
+            # alone (PEFT's generate runs the base model) would stretch it
             self.order.append(index)
         self.position += 1
         self.gather(index)

@@ -14,6 +14,7 @@ meets the placeholder, which it leaves as it is.
 """
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 
@@ -62,7 +63,23 @@ def _enter(module, prefix, keep_vars) -> None:
     stack = getattr(_DEPTH, "stack", None)
     if stack is None:
         stack = _DEPTH.stack = []
+    if _state_dict_calls() <= 1:
+        # the outermost call: what is on the stack was left by a call that
+        # raised midway, and would make this one look like an inner call
+        stack.clear()
     stack.append(bool(keep_vars))
+
+
+_STATE_DICT_CODE = torch.nn.Module.state_dict.__code__
+
+
+def _state_dict_calls() -> int:
+    """How many Module.state_dict calls this thread is inside now."""
+    count, frame = 0, sys._getframe(1)
+    while frame is not None:
+        count += frame.f_code is _STATE_DICT_CODE
+        frame = frame.f_back
+    return count
 
 
 def _gather_placeholders(ref):

@@ -252,3 +252,71 @@ def one_rank_skips(rank, world_size):
     except Exception as error:        # noqa: BLE001 (the error is the result)
         return f"{type(error).__name__}: {error}"
     return "no error"
+
+
+def step_inside_a_gather(rank, world_size):
+    """A step inside a context that holds units whole would leave them with
+    the weights from before it: refused, with nothing changed; unit by unit
+    (enabled=False) every unit is gathered anew, so a step there is taken."""
+    model = tiny_lm("llama")
+    opt = rlhfz.ZeroAdamW(model, stage=3, lr=1e-2, param_persistence_threshold=0)
+    ids = batches(1)[0][rank::world_size]
+    refused = []
+    for kwargs in (dict(enabled=True), dict(budget_bytes=40_000)):
+        with rlhfz.gather_for_generation(model, **kwargs):
+            lm_loss(model, ids).backward()
+            before = rlhfz.full_state_dict(model, rank0_only=False)
+            try:
+                opt.step()
+            except RuntimeError as error:
+                refused.append(str(error))
+        after = rlhfz.full_state_dict(model, rank0_only=False)
+        refused.append(all(torch.equal(before[k], after[k]) for k in before))
+        opt.zero_grad()
+    with rlhfz.gather_for_generation(model, enabled=False):
+        lm_loss(model, ids).backward()
+        opt.step()
+        with torch.no_grad():
+            inside = model(ids).logits
+    with torch.no_grad():
+        outside = model(ids).logits
+    return {"refused": refused, "unit_by_unit": torch.equal(inside, outside)}
+
+
+def order_after_a_submodule_forward(rank, world_size):
+    """A forward of a submodule alone (PEFT's generate runs the base model,
+    not the wrapper rlhfz sharded) before the first forward of the whole
+    model: the order of units is the whole model's, once each."""
+    ids = batches(1)[0][rank::world_size]
+    orders = []
+    for first_alone in (False, True):
+        model = tiny_lm("llama")
+        opt = rlhfz.ZeroAdamW(model, stage=3, lr=1e-2, param_persistence_threshold=0)
+        with torch.no_grad():
+            if first_alone:
+                for _ in range(3):
+                    model.model(ids)
+            model(ids)
+        orders.append(list(opt.stage3.order))
+    return orders
+
+
+def state_dict_after_one_that_raised(rank, world_size):
+    """model.state_dict() that raises midway (a failing module, an
+    interrupt) leaves the next one whole tensors, never placeholders."""
+    model = tiny_lm("llama")
+    rlhfz.ZeroAdamW(model, stage=3, lr=1e-2, param_persistence_threshold=0)
+    layer = model.model.layers[1].mlp.down_proj
+
+    def fail(*args, **kwargs):
+        raise KeyboardInterrupt("interrupted")
+
+    layer._save_to_state_dict = fail
+    try:
+        model.state_dict()
+    except KeyboardInterrupt:
+        pass
+    del layer._save_to_state_dict
+    state = model.state_dict()
+    whole = rlhfz.full_state_dict(model, rank0_only=False)
+    return all(torch.equal(state[k], whole[k]) for k in whole)

@@ -142,6 +142,22 @@ def test_exceptions_inside_each_mode_leave_the_model_working():
         assert torch.equal(value, results[0]["params"][name])
 
 
+def test_a_step_inside_a_gather_that_holds_units_is_refused():
+    for result in run_ranks(workers.step_inside_a_gather, 2):
+        first, unchanged, second, unchanged_too = result["refused"]
+        assert "Step after the context closes" in first and "Step after" in second
+        assert unchanged and unchanged_too and result["unit_by_unit"]
+
+
+def test_a_submodule_run_alone_first_leaves_the_order_of_units_alone():
+    for plain, after_alone in run_ranks(workers.order_after_a_submodule_forward, 2):
+        assert after_alone == plain
+
+
+def test_model_state_dict_after_one_that_raised_gives_whole_tensors():
+    assert all(run_ranks(workers.state_dict_after_one_that_raised, 2))
+
+
 def test_the_trl_twin_has_trls_signature():
     trl = pytest.importorskip("trl.models.utils")
     import inspect
