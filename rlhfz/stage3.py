@@ -155,12 +155,13 @@ class Stage3:
         self._unit_of: dict[int, int] = {}    # id(bucket) -> unit index
         self._index_of: dict[int, int] = {}   # id(module) -> unit index
         self._sites: list[set[int]] = []      # per unit: id of every module hooked for it
+        self._depth = 0                       # forwards of the roots running (nested)
         ref = weakref.ref(self)
-        if root is not None:
-            self.handles.append(root.register_forward_pre_hook(_eager(_forward_starts(ref))))
+        for top in _roots(root):
+            self.handles.append(top.register_forward_pre_hook(_eager(_forward_starts(ref))))
             # always_call: a forward that raised lets go of what it held too
-            self.handles.append(root.register_forward_hook(_eager(_forward_ends(ref)),
-                                                           always_call=True))
+            self.handles.append(top.register_forward_hook(_eager(_forward_ends(ref)),
+                                                          always_call=True))
         self.add_units(units)
 
     def add_units(self, units) -> None:
@@ -398,10 +399,24 @@ def _eager(hook):
     return torch.compiler.disable(hook, recursive=True)
 
 
+def _roots(root) -> list:
+    """The modules whose forward is a whole forward of the model: the root,
+    and the model a PEFT wrapper's generate runs (its base model, whose
+    forward the wrapper's own forward calls too)."""
+    if root is None:
+        return []
+    base = getattr(root, "get_base_model", None)
+    base = base() if callable(base) else None
+    return [root] + ([base] if isinstance(base, torch.nn.Module) and base is not root else [])
+
+
 def _forward_starts(ref):
     def hook(module, args):
         self = ref()
         if self is None:
+            return
+        self._depth += 1
+        if self._depth > 1:               # the base model's forward inside the wrapper's
             return
         if self.running:                  # the last forward raised: what it held goes
             self.release_all()
@@ -414,6 +429,9 @@ def _forward_ends(ref):
     def hook(module, args, output):
         self = ref()
         if self is None:
+            return
+        self._depth = max(self._depth - 1, 0)
+        if self._depth > 0:
             return
         if output is None and not self.order_known:
             self.order.clear()        # it may have raised midway: the next one records

@@ -320,3 +320,35 @@ def state_dict_after_one_that_raised(rank, world_size):
     state = model.state_dict()
     whole = rlhfz.full_state_dict(model, rank0_only=False)
     return all(torch.equal(state[k], whole[k]) for k in whole)
+
+
+def lora_model(seed: int = 0):
+    import peft
+    model = tiny_lm("llama", seed)
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                             init_lora_weights=False)
+    return peft.get_peft_model(model, config)
+
+
+def lora_generation_gathers(rank, world_size):
+    """PEFT's generate runs the base model's forward, not the wrapper's
+    that rlhfz sharded: unit by unit, each unit is still gathered once per
+    token, the root included, and the order stays one forward's."""
+    model = lora_model().eval()
+    opt = rlhfz.ZeroAdamW(model, stage=3, param_persistence_threshold=64)
+    stage3 = opt.stage3
+    with torch.no_grad():
+        model(PROMPT)                           # the order units run in
+    gathers, forwards = {}, [0]
+    start = stage3._start
+
+    def counted(index, async_op):
+        gathers[index] = gathers.get(index, 0) + 1
+        return start(index, async_op)
+    stage3._start = counted
+    model.get_base_model().register_forward_pre_hook(
+        lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    with rlhfz.gather_for_generation(model, enabled=False):
+        tokens = greedy(model)
+    return {"tokens": tokens, "gathers": gathers, "forwards": forwards[0],
+            "units": len(stage3.units), "order": len(stage3.order)}

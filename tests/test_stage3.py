@@ -84,6 +84,15 @@ def test_generation_gathers_each_unit_once_per_token(kind):
                 assert root in kept[q], q                    # the root first, once it fits
 
 
+def test_peft_generation_gathers_each_unit_once_per_token():
+    pytest.importorskip("peft")
+    reference = workers.greedy(workers.lora_model().eval())
+    for result in run_ranks(workers.lora_generation_gathers, 2):
+        assert torch.equal(result["tokens"], reference)
+        assert result["gathers"] == {i: result["forwards"] for i in range(result["units"])}
+        assert result["order"] <= result["units"] + 2          # one forward's, the root's uses
+
+
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
