@@ -152,6 +152,9 @@ def offload_engine(engine, what=KINDS, to="cpu", path=None, non_blocking=False,
     engine.flush_grads()       # no collective may still read or write grads
     if "grads" in kinds:
         engine.settle_grads()  # a folded clip goes into grads before they leave
+    # A swapped param storage or a write behind the optimizer is taken in
+    # (or refused) before the move re-points every param at its bucket.
+    engine.adopt_written()
     allocate = _allocator(to, path, pin_memory)
     move_buckets(engine, kinds, lambda region, nbytes: allocate(nbytes), to=to,
                  non_blocking=non_blocking)
@@ -164,14 +167,15 @@ def offload_engine(engine, what=KINDS, to="cpu", path=None, non_blocking=False,
         engine.backend.empty_cache()
 
 
-def reload_engine(engine, non_blocking=False, pin_memory="auto") -> None:
+def reload_engine(engine, non_blocking=False, pin_memory="auto", kinds=KINDS) -> None:
     def allocate(region, nbytes):
         if REGIONS[region].host:
             return host_buffer(nbytes, pin_memory)
         return engine.backend.buffer(nbytes, zero=False)
 
     def move():
-        move_buckets(engine, KINDS, allocate, to_home=True, non_blocking=non_blocking)
+        move_buckets(engine, kinds, allocate, to_home=True, non_blocking=non_blocking)
+    engine.adopt_written()     # a swap made while offloaded, as at offload
     try:
         move()
     except MemoryError:
@@ -181,9 +185,9 @@ def reload_engine(engine, non_blocking=False, pin_memory="auto") -> None:
         # since the offload): give it back and try once more. Nothing moved.
         engine.backend.empty_cache()
         move()
-    if engine.reducer is not None:
+    if engine.reducer is not None and "grads" in kinds:
         engine.reducer.reserve()
-    engine.offloaded.clear()
+    engine.offloaded.difference_update(kinds)
 
 
 # ---- a model's own tensors ------------------------------------------------------------
@@ -270,22 +274,25 @@ def offload(model, optimizer=None, what=KINDS, to="cpu", path=None, non_blocking
     kinds = check_what(what)
     check_target(to, path)
     undo = []
+    pin_memory = getattr(optimizer, "pin_memory", "auto")
+
+    def undone(engine, moved):
+        # only the kinds this call moved go back; ones offloaded before stay
+        moved = tuple(k for k in moved if k not in engine.offloaded)
+        return lambda: reload_engine(engine, pin_memory=pin_memory, kinds=moved)
     try:
         if optimizer is not None:
-            fresh = not optimizer.engine.offloaded
+            back = undone(optimizer.engine, kinds)
             optimizer.offload(what=kinds, to=to, path=path, non_blocking=non_blocking)
-            if fresh:
-                undo.append(optimizer.reload)
+            undo.append(back)
         if "params" in kinds:
-            pin_memory = getattr(optimizer, "pin_memory", "auto")
             record = sharding_of_model(model)
             if record is not None and record.engine.buckets:
                 from .generation import refuse_while_gathered
                 refuse_while_gathered(record, "offload")
-                fresh = not record.engine.offloaded
+                back = undone(record.engine, ("params",))
                 offload_engine(record.engine, ("params",), to, path, pin_memory=pin_memory)
-                if fresh:
-                    undo.append(lambda: reload_engine(record.engine, pin_memory=pin_memory))
+                undo.append(back)
             offload_module(model, optimizer, to=to, path=path, pin_memory=pin_memory)
     except BaseException:
         for step in reversed(undo):

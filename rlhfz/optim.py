@@ -537,8 +537,7 @@ class ZeroAdamW(Optimizer):
         take it in: optimizer.state edits, values written into params (to
         the master) and into stitched state copies."""
         self._take_state_edits()
-        if not self.engine.offloaded:
-            self.engine.adopt_written()
+        self.engine.adopt_written()
 
     def _take_state_edits(self) -> None:
         """optimizer.state and param_groups as a user left them, carried into

@@ -212,6 +212,73 @@ def test_a_module_move_that_fails_takes_the_optimizers_back(tmp_path, monkeypatc
     _assert_back_and_training(model, opt, tmp_path, before, ids)
 
 
+def test_a_failed_module_move_takes_back_only_what_it_moved(tmp_path, monkeypatch):
+    """Grads offloaded before, then a rlhfz.offload whose module move fails:
+    the params and optimizer state it moved come back, the grads stay."""
+    model, opt = make()
+    train_step(model, opt, 0)
+    opt.offload(what=("grads",), to="disk", path=tmp_path)
+
+    def no_room(*args, **kwargs):
+        raise OSError(28, "simulated: no space left for the model's buffers")
+    monkeypatch.setattr(migrate, "offload_module", no_room)
+    with pytest.raises(OSError, match="simulated"):
+        rlhfz.offload(model, opt, to="disk", path=tmp_path)
+    placement = opt.placement()
+    assert placement.pop("grads") == "disk" and set(placement.values()) == {"host"}
+    opt.reload()
+    train_step(model, opt, 1)
+
+
+@pytest.mark.parametrize("what", [("params",), ("grads",), ("optimizer",)])
+def test_a_param_swapped_before_an_offload_is_kept(tmp_path, what):
+    """p.data = t since the last step is adopted by the next step; an
+    offload cycle between them keeps it, as the step would have."""
+    model, opt = make()
+    plain, plain_opt = make()
+    for m, o in ((model, opt), (plain, plain_opt)):
+        train_step(m, o, 0)
+        m.body[0].weight.data = torch.full_like(m.body[0].weight, 0.5)
+    opt.offload(what=what, to="disk", path=tmp_path)
+    opt.reload()
+    assert bool((model.body[0].weight == 0.5).all())
+    for m, o in ((model, opt), (plain, plain_opt)):
+        train_step(m, o, 1)
+    assert_same(snapshot(plain, plain_opt), snapshot(model, opt))
+
+
+def test_a_cast_before_an_offload_is_refused_as_the_step_refuses_it(tmp_path):
+    model, opt = make()
+    train_step(model, opt, 0)
+    model.double()
+    with pytest.raises(RuntimeError, match="moved or cast"):
+        opt.offload(what=("optimizer",), to="disk", path=tmp_path)
+    assert next(model.parameters()).dtype == torch.float64
+    assert set(opt.placement().values()) == {"host"}
+
+
+def test_writes_behind_the_optimizer_reach_a_checkpoint_taken_while_offloaded(tmp_path):
+    """bf16 params written in place, then offloaded: the checkpoint's fp32
+    master holds the write, as one taken without the offload does."""
+    model, opt = make(torch.bfloat16)
+    plain, plain_opt = make(torch.bfloat16)
+    for m, o in ((model, opt), (plain, plain_opt)):
+        train_step(m, o, 0)
+        with torch.no_grad():
+            m.body[0].weight.add_(0.01)
+    (tmp_path / "away").mkdir()
+    opt.offload(to="disk", path=tmp_path / "away")
+    rlhfz.save_checkpoint(tmp_path / "offloaded", model, opt)
+    rlhfz.save_checkpoint(tmp_path / "plain", plain, plain_opt)
+    for name in ("offloaded", "plain"):
+        m, o = make(torch.bfloat16, seed=3)
+        rlhfz.load_checkpoint(tmp_path / name, m, o)
+        train_step(m, o, 1)
+        if name == "offloaded":
+            first = snapshot(m, o)
+    assert_same(first, snapshot(m, o))
+
+
 def test_held_memory_is_reported_under_its_own_kind(tmp_path):
     model, opt = make()
     train_step(model, opt, 0)
