@@ -44,6 +44,14 @@ def _tensors_of(params: list) -> list:
     return [t for t in out if isinstance(t, torch.Tensor)]
 
 
+def _let_go(engines: list) -> None:
+    """The params' grad hooks and model.zero_grad's watch go: the params
+    are the model's alone again (what close() and a dropped optimizer do)."""
+    for engine in engines:
+        unwatch_zero_grad(engine)
+        engine.detach()
+
+
 def live_optimizers() -> list:
     """Every ZeroAdamW that still exists (integrations find a model's owner)."""
     return list(_LIVE)
@@ -187,6 +195,8 @@ class ZeroAdamW(Optimizer):
         # Nothing the engine keeps refers back to the optimizer: with no cycle,
         # an optimizer dropped is freed at once (its device memory too),
         # not at some later garbage collection.
+        self._engines: list = []                # every engine built, for _let_go
+        self._closed = False
         self._make_engine()
         if stage >= 2 and self.world_size > 1:
             self.engine.use_reducer(GradReducer(self.engine.buckets, self.comm, self.backend,
@@ -210,8 +220,32 @@ class ZeroAdamW(Optimizer):
                         maximize=maximize, foreach=foreach, capturable=False,
                         differentiable=False, fused=fused, decoupled_weight_decay=True,
                         state_dtype=state_dtype, min_8bit_size=min_8bit_size)
-        super().__init__(params, defaults)
+        try:
+            super().__init__(params, defaults)
+        except BaseException:
+            # the groups built before the bad one leave the model as it was
+            _let_go(self._engines)
+            raise
         _LIVE.add(self)
+        # Dropped without close(), it still lets go of the params' grad
+        # hooks, which would go on taking their grads from p.grad.
+        weakref.finalize(self, _let_go, self._engines)
+
+    def _refuse_params_of_another(self, tensors: list) -> None:
+        """A param another live ZeroAdamW trains, where either one's grads go
+        through a reducer (stage 2 or 3 across ranks): its grad hook takes
+        the grad out of p.grad, so the other would step without it."""
+        ids = {id(t) for t in tensors}
+        for other in live_optimizers():
+            if other is self or other._closed or (self.reducer is None and other.reducer is None):
+                continue
+            if any(id(p) in ids for b in other.engine.buckets for p in b.params):
+                raise ValueError(
+                    "a param of the group is trained by another ZeroAdamW already, and at "
+                    "stage 2 or 3 across ranks a backward's grads go into one optimizer's "
+                    "shards, so the other would step without them: put both sets of params "
+                    "in one ZeroAdamW as param groups (a policy and a value head over one "
+                    "body, say), or close() the other optimizer first")
 
     def _make_engine(self) -> None:
         self.engine = ShardEngine(
@@ -220,6 +254,7 @@ class ZeroAdamW(Optimizer):
             reduce_dtype=self.reduce_dtype, bucket_bytes=self.bucket_bytes,
             host_alloc=functools.partial(host_buffer, pin_memory=self.pin_memory, zero=True))
         self.engine.on_state = _state_keeper(weakref.ref(self))
+        self._engines.append(self.engine)
 
     @property
     def reducer(self):
@@ -332,6 +367,7 @@ class ZeroAdamW(Optimizer):
         params = list(params)
         tensors = [p[1] if isinstance(p, tuple) else p for p in params]
         check_params(tensors, self.device, self.param_groups)
+        self._refuse_params_of_another(tensors)
         options = {**self.defaults, **{k: v for k, v in group.items() if k != "params"}}
         check_group(options)
         if self.sharding is not None:
@@ -682,8 +718,10 @@ class ZeroAdamW(Optimizer):
         process groups it made for its collectives (sockets, gloo threads),
         the native NCCL communicator (collectives="nccl"), and the pinned
         buffers reload() kept for the next offload. Every rank calls it; the
-        optimizer cannot step afterwards."""
-        unwatch_zero_grad(self.engine)
+        optimizer cannot step afterwards. The model's params keep their
+        values and train with whatever optimizer comes next."""
+        self._closed = True
+        _let_go(self._engines)
         if self.comm is not None:
             self.comm.destroy()
         from .engine import release_pinned

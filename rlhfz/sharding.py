@@ -137,7 +137,12 @@ class ShardedModel:
                 f"transformers' Trainer does; the sharded model keeps them sharded without "
                 f"grads or state (to unfreeze one, requires_grad_(True) then add_param_group)")
         if self.stage3 is not None and any(id(p) in self.trained for p in params):
-            raise ValueError("a param of the group is trained by another optimizer already")
+            raise ValueError(
+                "a param of the group is trained by another optimizer already: at stage 3 "
+                "the first ZeroAdamW over a param keeps its shards for the model's life "
+                "(close() does not hand them back). Change that optimizer's param_groups "
+                "(lr, weight_decay, betas) in place instead of building another, or put the "
+                "params in one ZeroAdamW's groups")
 
     def frozen_slots(self) -> dict[int, tuple]:
         """id(param) -> (its frozen bucket, its index there)."""

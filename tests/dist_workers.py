@@ -683,3 +683,52 @@ def grad_of_another_dtype(rank, world_size, stage):
         refused = str(error)
     opt.close()
     return refused
+
+
+def after_the_optimizer_goes(rank, world_size, how):
+    """A stage-2 ZeroAdamW closed, dropped, or failed in its constructor:
+    the params are the model's alone again, and torch's AdamW built next
+    trains them as it trains a model that never had one."""
+    data = batches(4)
+
+    def run(model, opt, steps):
+        for x, y in steps:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+
+    model, plain = make_model(), make_model()
+    if how == "constructor":
+        bad = [{"params": list(model.parameters())[:2]},
+               {"params": list(model.parameters())[2:], "betas": (0.9, 1.5)}]
+        try:
+            rlhfz.ZeroAdamW(bad, lr=1e-2, stage=2)
+        except ValueError:
+            pass
+    else:
+        opt = rlhfz.ZeroAdamW(model.parameters(), lr=1e-2, stage=2)
+        run(model, opt, data[:2])
+        run(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2), data[:2])
+        if how == "close":
+            opt.close()
+        del opt
+    run(model, torch.optim.AdamW(model.parameters(), lr=1e-2), data[2:])
+    run(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2), data[2:])
+    return max(float((a - b).abs().max()) for a, b in zip(model.parameters(),
+                                                          plain.parameters()))
+
+
+def two_optimizers_over_shared_params(rank, world_size, stage):
+    """A policy and a value head over one body, each with its own ZeroAdamW:
+    at stage 2 the second is refused (the first's reducer takes the body's
+    grads out of p.grad); at stage 1 both train as torch's would."""
+    model = make_model()
+    actor = rlhfz.ZeroAdamW(model.parameters(), lr=1e-2, stage=stage)
+    try:
+        critic = rlhfz.ZeroAdamW(list(model[:2].parameters()), lr=1e-2, stage=stage)
+    except ValueError as error:
+        actor.close()
+        return str(error)
+    critic.close()
+    actor.close()
+    return None

@@ -401,6 +401,23 @@ def test_a_hand_set_grad_of_another_dtype_is_refused_on_every_rank(stage):
         assert "has a grad of dtype torch.float64" in refused
 
 
+@pytest.mark.parametrize("how", ["close", "drop", "constructor"])
+def test_after_a_stage2_optimizer_goes_the_params_train_with_the_next_one(how):
+    # (the two first steps differ from torch's by rounding, which Adam's
+    # next steps carry on; an optimizer still taking the grads moves nothing)
+    for diff in run_ranks(workers.after_the_optimizer_goes, 2, how):
+        assert diff < 1e-4
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_two_optimizers_share_params_only_where_no_reducer_takes_the_grads(stage):
+    for refused in run_ranks(workers.two_optimizers_over_shared_params, 2, stage):
+        if stage == 1:
+            assert refused is None
+        else:
+            assert "put both sets of params in one ZeroAdamW" in refused
+
+
 def test_a_stage1_clip_scales_the_whole_mean_grad():
     for result in run_ranks(workers.stage1_clip_of_whole_grads, 2):
         assert result["clipped"] < 1e-7 and result["stepped"] < 1e-6, result
