@@ -16,6 +16,7 @@ _rlhfz_sharding); every param it holds maps back to it.
 """
 from __future__ import annotations
 
+import copy
 import os
 import weakref
 
@@ -67,6 +68,19 @@ class ShardedModel:
             _refuse_conversions(model, weakref.ref(self))
             if hasattr(model, "resize_token_embeddings"):
                 model.resize_token_embeddings = _refuse_resize
+
+    def __deepcopy__(self, memo):
+        if self.stage3 is not None:
+            raise TypeError(
+                "a model sharded at stage 3 across ranks cannot be deep-copied: between "
+                "uses its params are empty placeholders and their values live in rlhfz's "
+                "shards. Copy the model before ZeroAdamW(stage=3) or shard_model (as TRL's "
+                "create_reference_model would), or build the copy anew and shard_model it")
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        for key, value in self.__dict__.items():
+            setattr(copied, key, copy.deepcopy(value, memo))
+        return copied
 
     # ---- frozen buckets ----------------------------------------------------------------
 

@@ -352,3 +352,16 @@ def lora_generation_gathers(rank, world_size):
         tokens = greedy(model)
     return {"tokens": tokens, "gathers": gathers, "forwards": forwards[0],
             "units": len(stage3.units), "order": len(stage3.order)}
+
+
+def deepcopy_of_a_sharded_model(rank, world_size):
+    """copy.deepcopy of a stage-3 model (TRL's create_reference_model) would
+    copy empty placeholders: refused, saying what to do instead."""
+    import copy
+    model = tiny_lm("llama")
+    rlhfz.ZeroAdamW(model, stage=3, lr=1e-2, param_persistence_threshold=0)
+    try:
+        copy.deepcopy(model)
+    except TypeError as error:
+        return str(error)
+    return None

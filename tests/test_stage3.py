@@ -167,6 +167,11 @@ def test_model_state_dict_after_one_that_raised_gives_whole_tensors():
     assert all(run_ranks(workers.state_dict_after_one_that_raised, 2))
 
 
+def test_a_deepcopy_of_a_sharded_model_is_refused_with_what_to_do():
+    for refused in run_ranks(workers.deepcopy_of_a_sharded_model, 2):
+        assert "Copy the model before ZeroAdamW(stage=3) or shard_model" in refused
+
+
 def test_the_trl_twin_has_trls_signature():
     trl = pytest.importorskip("trl.models.utils")
     import inspect

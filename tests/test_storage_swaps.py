@@ -127,6 +127,24 @@ def test_a_cast_that_stays_is_refused_with_what_to_do():
         assert torch.equal(value, state[key]), key
 
 
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_backward_after_a_cast_reaches_the_step_that_refuses_it(stage):
+    """model.half() then a backward: autograd's half grads stay where it
+    made them (the bucket holds fp32), and the step says what to do, not
+    torch's complaint about a grad's dtype."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = rlhfz.ZeroAdamW(model.parameters(), lr=1e-2, stage=stage)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    model.half()
+    model(torch.randn(2, 8).half()).float().sum().backward()
+    assert model.weight.grad.dtype == torch.float16
+    with pytest.raises(RuntimeError, match="cast to torch.float16.*build the optimizer after"):
+        opt.step()
+
+
 def _bf16_run(swap=None, steps=5):
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 8).to(torch.bfloat16)

@@ -557,9 +557,11 @@ class ShardEngine:
 
 
 def _keep_grad_in_bucket(bucket: Bucket, index: int, param: torch.Tensor) -> None:
-    # a param moved to another device outside rlhfz keeps its grad where
-    # autograd made it: the next step adopts the move (or refuses it)
-    if param.device != bucket.grad_views[index].device:
+    # a param moved or cast outside rlhfz (model.to(), .half()) keeps its
+    # grad where autograd made it: the next step adopts the move or refuses
+    # it, saying what to do
+    view = bucket.grad_views[index]
+    if param.device != view.device or param.dtype != view.dtype:
         return
     if param.grad is not bucket.grad_views[index]:
         bucket.adopt_grad(index)
