@@ -348,17 +348,16 @@ class ShardEngine:
                 # stage 1: p.grad is the whole mean grad, reduced again after
                 # a write to it: all of it scales, not this rank's range alone
                 slots = bucket.layout.slots
-                ranges = ([(slots[a].offset, slots[b - 1].offset + slots[b - 1].numel)
-                           for a, b in plan.runs] if finite else
-                          [(slots[i].offset, slots[i].offset + slots[i].numel)
-                           for a, b in plan.runs for i in range(a, b)])
-                views += [bucket.grad_kview_range(lo, hi) for lo, hi in ranges if lo < hi]
+                runs = plan.runs if finite else [(i, i + 1) for a, b in plan.runs
+                                                 for i in range(a, b)]
+                spans = [(slots[a].offset, slots[b - 1].offset + slots[b - 1].numel)
+                         for a, b in runs]
+                views += [bucket.grad_kview_range(lo, hi) for lo, hi in spans if lo < hi]
             if not whole or bucket.reduces_in_staging:
-                views += ([bucket.grad_shard_kview_range(lo, hi)
-                           for _, _, lo, hi in plan.segments] if finite else
-                          [bucket.grad_shard_kview_range(lo, hi)
-                           for start, stop, _, _ in plan.segments
-                           for lo, hi in bucket.shard.local[start:stop] if lo < hi])
+                spans = ([(lo, hi) for _, _, lo, hi in plan.segments] if finite else
+                         [span for start, stop, _, _ in plan.segments
+                          for span in bucket.shard.local[start:stop]])
+                views += [bucket.grad_shard_kview_range(lo, hi) for lo, hi in spans if lo < hi]
         for view in views:
             self.backend.scale_(view, factor)
 
@@ -563,6 +562,6 @@ def _keep_grad_in_bucket(bucket: Bucket, index: int, param: torch.Tensor) -> Non
     view = bucket.grad_views[index]
     if param.device != view.device or param.dtype != view.dtype:
         return
-    if param.grad is not bucket.grad_views[index]:
+    if param.grad is not view:
         bucket.adopt_grad(index)
 

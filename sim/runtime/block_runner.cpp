@@ -13,8 +13,9 @@
  * each round, run in a random order.
  *
  * A GPU promises nothing of the shared memory a block has not written, so
- * every __shared__ array (declared through cudasim_shared_fresh) reads as
- * NaN, all bits set, when a block starts, never as the last block left it.
+ * every __shared__ array (declared through RLHFZ_SHARED_ARRAY, which calls
+ * cudasim_shared_fresh) reads as NaN, all bits set, when a block starts,
+ * never as the last block left it.
  */
 #include <sys/mman.h>
 
@@ -163,7 +164,6 @@ thread_local Runner runner;
  * this OS thread: which block and which launch last saw it. */
 struct SharedArray {
     void *address;
-    std::size_t bytes;
     std::uint64_t block;
     std::uint64_t launch;
 };
@@ -307,7 +307,7 @@ extern "C" void cudasim_shared_fresh(void *address, size_t bytes)
         if (known.address == address)
             array = &known;
     if (!array) {
-        shared_arrays.push_back(SharedArray{address, bytes, 0, 0});
+        shared_arrays.push_back(SharedArray{address, 0, 0});
         array = &shared_arrays.back();
     }
     if (array->launch != launch_serial) {
