@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import warnings
 import weakref
 
 import torch
 
 from . import _C
-from .engine import REGIONS, PinnedPool, backend_for, host_buffer, torch_view
+from .engine import REGIONS, PinnedPool, backend_for, host_buffer, torch_view, warn_user
 from .sharding import sharding_of_model
 
 KINDS = ("params", "grads", "optimizer")
@@ -91,10 +90,9 @@ def _report_held(olds, engine) -> None:
         return
     total = sum(buffer.nbytes for _, buffer in held)
     kinds = sorted({kind for kind, _ in held})
-    warnings.warn(f"rlhfz: {total} bytes ({', '.join(kinds)}) could not be freed: a tensor "
-                  f"outside the optimizer still views the old memory (e.g. a saved "
-                  f"p.detach() or a slice of p.data); it is freed when that tensor goes",
-                  RuntimeWarning, stacklevel=3)
+    warn_user(f"rlhfz: {total} bytes ({', '.join(kinds)}) could not be freed: a tensor "
+              f"outside the optimizer still views the old memory (e.g. a saved "
+              f"p.detach() or a slice of p.data); it is freed when that tensor goes")
     for kind, buffer in held:
         engine.held_elsewhere.append((kind, weakref.ref(buffer)))
 

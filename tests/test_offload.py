@@ -279,6 +279,27 @@ def test_writes_behind_the_optimizer_reach_a_checkpoint_taken_while_offloaded(tm
     assert_same(first, snapshot(m, o))
 
 
+@pytest.mark.parametrize("call", ["optimizer", "module", "context"])
+def test_the_held_memory_warning_names_the_callers_line(tmp_path, call):
+    model, opt = make()
+    train_step(model, opt, 0)
+    held = model.body[0].weight.detach()[:2]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if call == "optimizer":
+            opt.offload(what="params", to="disk", path=tmp_path)
+            opt.reload()
+        elif call == "module":
+            rlhfz.offload(model, opt, what="params", to="disk", path=tmp_path)
+            rlhfz.reload(model, opt)
+        else:
+            with rlhfz.offloaded(model, opt, what="params", to="disk", path=tmp_path):
+                pass
+    held_warnings = [w for w in caught if "could not be freed" in str(w.message)]
+    assert held_warnings and {w.filename for w in held_warnings} == {__file__}
+    del held
+
+
 def test_held_memory_is_reported_under_its_own_kind(tmp_path):
     model, opt = make()
     train_step(model, opt, 0)
@@ -437,8 +458,9 @@ def test_a_refused_pin_falls_back_to_pageable_memory(monkeypatch):
     fake = _PinningRefused(host_memory._C)
     monkeypatch.setattr(host_memory, "_C", fake)
     monkeypatch.setattr(host_memory.PinnedPool, "noticed", False)
-    with pytest.warns(RuntimeWarning, match="pinning 4096 bytes failed .* pageable"):
+    with pytest.warns(RuntimeWarning, match="pinning 4096 bytes failed .* pageable") as caught:
         buffer = host_memory.host_buffer(4096, True)
+    assert caught[0].filename == __file__
     assert buffer.tier == "host" and fake.pinned_asks == 1
     assert host_memory.host_buffer(64, False).tier == "host" and fake.pinned_asks == 1
 

@@ -8,6 +8,7 @@
     engine.py       every bucket of an optimizer, and the step
     backends.py     the kernels and memory of a device (CPU, CUDA, simulated CUDA)
     host_memory.py  pinned host memory under a budget
+    user_warnings.py  warnings attributed to the user's line
 
 Nothing here imports torch.optim or another rlhfz module above it.
 """
@@ -24,12 +25,13 @@ from .moments import (QBLOCK, STATE_DTYPES, STORED_MAPS, layout_block, region_dt
                       region_numel, region_unit, state_regions)
 from .state import STATE_NAMES, ShardState
 from .storage import REGIONS, FlatStorage
+from .user_warnings import warn_user
 
 __all__ = ["ALIGN_BYTES", "INT8_SQ_LIMIT", "Bucket", "BucketLayout", "BucketPlan", "CudaBackend", "DTYPE_NAMES",
            "FlatStorage", "FrozenBucket", "HostBackend", "MIN_BUCKET_BYTES", "PinnedPool", "QBLOCK",
            "REGIONS", "STATE_DTYPES", "STATE_NAMES", "STORED_MAPS", "ShardEngine", "ShardLayout",
            "ShardState",
-           "SimulatedCudaBackend", "Slot", "backend_for", "check_grad_dtype", "host_buffer",
+           "SimulatedCudaBackend", "Slot", "backend_for", "check_grad_dtype", "host_buffer", "warn_user",
            "layout_block",
            "most_per_rank", "pin_budget", "pinned_memory", "plan_bucket", "rank_range", "region_dtype",
            "region_numel", "region_unit", "release_pinned", "shard_owner", "state_regions",

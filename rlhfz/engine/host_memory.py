@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import os
 import resource
-import warnings
 import weakref
 
 from .. import _C
+from .user_warnings import warn_user
 
 DEFAULT_PIN_FRACTION = 0.5     # of available RAM, and of RLIMIT_MEMLOCK when it is set
 # RLHFZ_PINNED_POOL=0: unpin at every reload instead of keeping the buffers (_Pinned)
@@ -122,7 +122,7 @@ class PinnedPool:
     def notice(cls, text: str) -> None:
         if not cls.noticed:
             cls.noticed = True
-            warnings.warn(text, RuntimeWarning, stacklevel=4)
+            warn_user(text)
 
 
 def host_buffer(nbytes: int, pin_memory, zero: bool = False):
