@@ -227,8 +227,11 @@ def offload_module(model, optimizer=None, to="cpu", path=None, pin_memory="auto"
     if home is None:
         home = {}
         setattr(model, _HOME, home)
-    tensors = [t for t in _module_tensors(model, optimizer) if id(t) not in home
-               and (t.device.type == "cuda" or to == "disk") and t.is_contiguous()]
+    # A tensor offloaded before moves again only where `to` names another
+    # tier (host memory to disk, or back); its home stays where it began.
+    tensors = [t for t in _module_tensors(model, optimizer) if t.is_contiguous() and (
+               (home[id(t)][2] == "disk") != (to == "disk") if id(t) in home else
+               t.device.type == "cuda" or to == "disk")]
     allocate = _allocator(to, path, pin_memory)
     fresh = [allocate(_nbytes(t)) for t in tensors]
     views = [_view_of(buffer, t) for buffer, t in zip(fresh, tensors)]
@@ -236,11 +239,12 @@ def offload_module(model, optimizer=None, to="cpu", path=None, pin_memory="auto"
         for t, view, buffer in zip(tensors, views, fresh):
             view.copy_(t)
         for t, view, buffer in zip(tensors, views, fresh):
-            home[id(t)] = (weakref.ref(t), t.device)
+            device = home[id(t)][1] if id(t) in home else t.device
+            home[id(t)] = (weakref.ref(t), device, buffer.tier)
             t.data = view
             if buffer.tier == "disk":
                 buffer.release_pages()
-    devices = {device for _, device in home.values() if device.type == "cuda"}
+    devices = {device for _, device, _ in home.values() if device.type == "cuda"}
     for device in devices:
         # the originals came from torch's caching allocator
         (optimizer.backend if optimizer is not None and optimizer.backend.device == device
@@ -251,7 +255,7 @@ def reload_module(model) -> None:
     home = getattr(model, _HOME, None)
     if not home:
         return
-    pending = [(ref(), device) for ref, device in home.values() if ref() is not None]
+    pending = [(ref(), device) for ref, device, _ in home.values() if ref() is not None]
     # Device copies first: if one fails for memory, none is re-pointed.
     copies = [t.detach().to(device) if device.type == "cuda" else
               _view_of(_C.Buffer(_nbytes(t)), t)

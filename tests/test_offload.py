@@ -346,18 +346,37 @@ def test_the_context_manager_reloads_when_the_block_raises(tmp_path):
     train_step(model, opt, 1)
 
 
-def test_a_model_without_an_optimizer(tmp_path):
+def _reference_on_disk(path):
+    """A model with no optimizer, offloaded to files, and its state before."""
     torch.manual_seed(0)
     reference = Net()
     before = {k: v.clone() for k, v in reference.state_dict().items()}
-    rlhfz.offload(reference, to="disk", path=tmp_path)
-    assert len(os.listdir(tmp_path)) == len(before)
+    rlhfz.offload(reference, to="disk", path=path)
+    assert len(os.listdir(path)) == len(before)
+    return reference, before
+
+
+def test_a_model_without_an_optimizer(tmp_path):
+    reference, before = _reference_on_disk(tmp_path)
     rlhfz.offload(reference, to="disk", path=tmp_path)       # already offloaded
     assert len(os.listdir(tmp_path)) == len(before)
     rlhfz.reload(reference)
     after = reference.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_second_module_offload_goes_where_it_names(tmp_path):
+    reference, before = _reference_on_disk(tmp_path)
+    rlhfz.offload(reference, to="cpu")                        # out of the files, into RAM
+    assert os.listdir(tmp_path) == []
+    assert all(torch.equal(before[k], v) for k, v in reference.state_dict().items())
+    rlhfz.offload(reference, to="disk", path=tmp_path)        # and back to disk
+    assert len(os.listdir(tmp_path)) == len(before)
+    rlhfz.reload(reference)
+    assert os.listdir(tmp_path) == []
+    after = reference.state_dict()
+    assert all(torch.equal(before[k], after[k]) and after[k].device.type == "cpu" for k in before)
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
