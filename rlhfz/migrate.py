@@ -19,6 +19,7 @@ import os
 import weakref
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _C
 from .engine import REGIONS, PinnedPool, backend_for, host_buffer, torch_view, warn_user
@@ -208,6 +209,13 @@ def _module_tensors(model, optimizer):
         yield tensor
 
 
+def _storage_ref(t: torch.Tensor):
+    """(address, (a weak reference to t's storage, its bytes)): whether the
+    old memory is freed once t is re-pointed."""
+    storage = t.untyped_storage()
+    return storage.data_ptr(), (StorageWeakRef(storage), storage.nbytes())
+
+
 def _nbytes(t: torch.Tensor) -> int:
     """A Buffer size for t's bytes, in whole 2-byte words (at least one)."""
     return max(2, (t.numel() * t.element_size() + 1) // 2 * 2)
@@ -235,6 +243,7 @@ def offload_module(model, optimizer=None, to="cpu", path=None, pin_memory="auto"
     allocate = _allocator(to, path, pin_memory)
     fresh = [allocate(_nbytes(t)) for t in tensors]
     views = [_view_of(buffer, t) for buffer, t in zip(fresh, tensors)]
+    olds = dict(_storage_ref(t) for t in tensors)
     with torch.no_grad():
         for t, view, buffer in zip(tensors, views, fresh):
             view.copy_(t)
@@ -244,6 +253,11 @@ def offload_module(model, optimizer=None, to="cpu", path=None, pin_memory="auto"
             t.data = view
             if buffer.tier == "disk":
                 buffer.release_pages()
+    held = sum(nbytes for ref, nbytes in olds.values() if not ref.expired())
+    if held:
+        warn_user(f"rlhfz: {held} bytes of the model's own params and buffers could not be "
+                  f"freed: a tensor outside the model still views the old memory (e.g. a "
+                  f"saved .detach() or a slice); it is freed when that tensor goes")
     devices = {device for _, device, _ in home.values() if device.type == "cuda"}
     for device in devices:
         # the originals came from torch's caching allocator

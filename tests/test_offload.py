@@ -379,6 +379,21 @@ def test_a_second_module_offload_goes_where_it_names(tmp_path):
     assert all(torch.equal(before[k], after[k]) and after[k].device.type == "cpu" for k in before)
 
 
+def test_a_module_tensor_held_outside_is_reported(tmp_path):
+    torch.manual_seed(0)
+    reference = Net()
+    held = reference.body[0].weight.detach()[:2]        # shares the weight's memory
+    nbytes = reference.body[0].weight.untyped_storage().nbytes()
+    with pytest.warns(RuntimeWarning, match=rf"{nbytes} bytes of the model's own") as caught:
+        rlhfz.offload(reference, to="disk", path=tmp_path)
+    assert caught[0].filename == __file__
+    del held
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rlhfz.offload(reference, to="cpu")              # nothing held now: no warning
+    rlhfz.reload(reference)
+
+
 @pytest.mark.parametrize("kwargs, error, message", [
     (dict(what="weights"), ValueError, "what must name some of"),
     (dict(what=()), ValueError, "what must name some of"),
