@@ -185,8 +185,17 @@ static int Buffer_traverse(rlhfz_Buffer *self, visitproc visit, void *arg)
 static PyObject *Buffer_view(rlhfz_Buffer *self, PyObject *const *args, Py_ssize_t nargs,
                              PyObject *kwnames);
 
+int rlhfz_buffer_intact(const rlhfz_Buffer *buffer)
+{
+    if (buffer->tier != RLHFZ_TIER_DISK)
+        return 0;
+    return rlhfz_disk_check(buffer->fd, buffer->mapped, buffer->path);
+}
+
 static PyObject *Buffer_zero_(rlhfz_Buffer *self, PyObject *unused)
 {
+    if (rlhfz_buffer_intact(self) < 0)
+        return NULL;
     if (rlhfz_tier_zero(self->tier, self->device, self->data, self->nbytes) < 0)
         return NULL;
     Py_RETURN_NONE;
@@ -255,8 +264,7 @@ static PyObject *Buffer_copy_from(rlhfz_Buffer *self, PyObject *const *args, Py_
                      src->device, self->device);
         return NULL;
     }
-    if ((src->tier == RLHFZ_TIER_DISK && rlhfz_disk_check(src->fd, src->mapped, src->path) < 0) ||
-        (self->tier == RLHFZ_TIER_DISK && rlhfz_disk_check(self->fd, self->mapped, self->path) < 0))
+    if (rlhfz_buffer_intact(src) < 0 || rlhfz_buffer_intact(self) < 0)
         return NULL;
     int device = self->tier == RLHFZ_TIER_DEVICE ? self->device
                  : src->tier == RLHFZ_TIER_DEVICE ? src->device : -1;
@@ -741,6 +749,8 @@ static PyObject *BufferView_dlpack(rlhfz_BufferView *self, PyObject *const *args
     rlhfz_BufferView *view = self;
     rlhfz_Buffer *buffer = source;
     if (want_copy) {
+        if (rlhfz_buffer_intact(source) < 0)
+            return NULL;
         size_t nbytes = self->numel * rlhfz_dtype_size(self->dtype);
         rlhfz_state *state = rlhfz_state_from_type(Py_TYPE(self));
         if (state == NULL)

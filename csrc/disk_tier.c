@@ -158,7 +158,7 @@ int rlhfz_disk_check(int fd, size_t nbytes, const char *path)
         if (name != NULL) {
             PyErr_Format(PyExc_OSError, "the disk buffer's file %U has %lld bytes, not its %zu: "
                          "something outside rlhfz shortened it, and the bytes past its end "
-                         "are gone; nothing was copied", name, (long long)info.st_size, nbytes);
+                         "are gone; nothing was read or written", name, (long long)info.st_size, nbytes);
             Py_DECREF(name);
         }
         return -1;

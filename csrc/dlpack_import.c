@@ -272,7 +272,7 @@ static PyObject *call_dlpack(PyObject *obj, rlhfz_place place, void *stream)
 #define LENT_NAME_VERSIONED "rlhfz_lent_dltensor_versioned"
 #define MAX_LENT 256
 
-static struct { PyObject *capsule; unsigned long thread; } lent[MAX_LENT];
+static struct { PyObject *capsule; unsigned long thread; int borrows; } lent[MAX_LENT];
 static int lent_count;
 
 static int lent_here(PyObject *capsule)
@@ -293,6 +293,7 @@ static int lend_capsule(PyObject *capsule, int versioned)
     }
     lent[lent_count].capsule = capsule;
     lent[lent_count].thread = PyThread_get_thread_ident();
+    lent[lent_count].borrows = 1;
     lent_count++;
     /* cannot fail: the capsule was just found valid under its own name */
     (void)PyCapsule_SetName(capsule, versioned ? LENT_NAME_VERSIONED : LENT_NAME);
@@ -303,17 +304,17 @@ void rlhfz_borrow_end(PyObject *keepalive)
 {
     if (keepalive == NULL || !PyCapsule_CheckExact(keepalive))
         return;
-    if (PyCapsule_IsValid(keepalive, LENT_NAME))
-        (void)PyCapsule_SetName(keepalive, "dltensor");
-    else if (PyCapsule_IsValid(keepalive, LENT_NAME_VERSIONED))
-        (void)PyCapsule_SetName(keepalive, "dltensor_versioned");
-    else
-        return;
     for (int i = 0; i < lent_count; i++) {
-        if (lent[i].capsule == keepalive) {
-            lent[i] = lent[--lent_count];
-            break;
-        }
+        if (lent[i].capsule != keepalive)
+            continue;
+        if (--lent[i].borrows > 0)
+            return;            /* an outer or in-flight borrow still holds it */
+        if (PyCapsule_IsValid(keepalive, LENT_NAME))
+            (void)PyCapsule_SetName(keepalive, "dltensor");
+        else if (PyCapsule_IsValid(keepalive, LENT_NAME_VERSIONED))
+            (void)PyCapsule_SetName(keepalive, "dltensor_versioned");
+        lent[i] = lent[--lent_count];
+        return;
     }
 }
 
@@ -400,6 +401,8 @@ int rlhfz_array_from_object(rlhfz_state *state, PyObject *obj, const char *name,
                          "memory (cuda)", name, rlhfz_tier_name(view->buffer->tier));
             return -1;
         }
+        if (rlhfz_buffer_intact(view->buffer) < 0)
+            return -1;
         if (rlhfz_dtype_is_codes(view->dtype) && !(flags & RLHFZ_BORROW_CODES)) {
             PyErr_Format(PyExc_BufferError, "%s has dtype %s; supported dtypes are float32, "
                          "bfloat16 and float16", name, rlhfz_dtype_name(view->dtype));
@@ -430,7 +433,14 @@ int rlhfz_array_from_object(rlhfz_state *state, PyObject *obj, const char *name,
         Py_DECREF(capsule);
         return -1;
     }
-    if (capsule == obj && !lent_here(capsule) && lend_capsule(capsule, versioned) < 0) {
+    int counted = 0;
+    for (int i = 0; i < lent_count; i++)
+        if (lent[i].capsule == capsule && lent[i].thread == PyThread_get_thread_ident()) {
+            lent[i].borrows++;
+            counted = 1;
+            break;
+        }
+    if (!counted && capsule == obj && lend_capsule(capsule, versioned) < 0) {
         Py_DECREF(capsule);
         return -1;
     }

@@ -580,6 +580,28 @@ def test_a_capsule_a_kernel_borrows_is_no_one_elses_until_the_kernel_returns():
     assert capsule_name(capsule) == USED[VERSIONED]
 
 
+def test_a_nested_borrow_keeps_the_capsule_lent_to_the_outer_call():
+    # sumsq inside the second argument's __dlpack__ borrows the capsule the
+    # outer cast_ holds: when it returns, the capsule is still the outer's.
+    capsule = np.ones(16, np.float32).__dlpack__(max_version=(1, 0))
+    names, refused = [], []
+
+    def nested(**kwargs):
+        _C.sumsq(capsule)
+        names.append(capsule_name(capsule))
+        try:
+            _C.Buffer.from_dlpack(capsule)
+        except BufferError as error:
+            refused.append(str(error))
+        return np.full(16, 2.0, np.float32).__dlpack__(**kwargs)
+
+    _C.cast_(capsule, Producer(nested))
+    assert names == [b"rlhfz_lent_dltensor_versioned"]
+    assert len(refused) == 1 and "capsule lent to an rlhfz call right now" in refused[0]
+    assert capsule_name(capsule) == VERSIONED       # given back when the outer call ended
+    assert np.from_dlpack(_C.Buffer.from_dlpack(capsule).view("float32")).tolist() == [2.0] * 16
+
+
 CAPSULE_RACE_SCRIPT = textwrap.dedent("""
     import threading, time
     import numpy as np

@@ -345,3 +345,21 @@ def test_a_torch_tensor_outlives_the_kernel_that_reads_it():
     side.synchronize()
     torch.cuda.synchronize()
     assert bool((y == 5.0).all())
+
+
+@needs_simulator
+def test_a_refused_call_leaves_a_capsule_lent_to_a_queued_kernel():
+    """A capsule stays lent while a kernel that borrowed it is queued. A
+    second call on it that is refused ends only its own borrow: the capsule
+    must not become consumable (and its memory freeable) under the kernel."""
+    from device_support import held
+    device = _C.Buffer(1 << 16, "device")
+    capsule = device.view("float32").__dlpack__(max_version=(1, 0))
+    stream = _C.CudaStream()
+    with held(stream):
+        _C.cuda_scale_(capsule, 3.0, stream=stream)
+        with pytest.raises(Exception):
+            _C.cuda_scale_(capsule, scale_device=np.zeros(1, np.float32), stream=stream)
+        with pytest.raises(BufferError, match="lent to an rlhfz call"):
+            _C.Buffer.from_dlpack(capsule)
+    stream.synchronize()

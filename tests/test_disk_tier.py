@@ -5,6 +5,8 @@ into memory: views of it are plain host memory, its pages can be dropped
 from this process and fault back in, and freeing it deletes the file.
 """
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -112,6 +114,40 @@ def test_a_shortened_file_is_an_oserror_not_a_crash(tmp_path):
     for copy in (lambda: host.copy_from(disk), lambda: disk.copy_from(host)):
         with pytest.raises(OSError, match="shortened it"):
             copy()
+
+
+SHORTENED_FILE_SCRIPT = """
+import os, sys, tempfile
+import numpy as np
+from rlhfz import _C
+disk = _C.Buffer(3 * 4096, "disk", path=tempfile.mkdtemp())
+os.truncate(disk.path, 4096)
+view = disk.view("float32")
+host = _C.Buffer(3 * 4096).view("float32")
+touches = {
+    "zero_": lambda: disk.zero_(),
+    "dlpack_copy": lambda: np.from_dlpack(view, copy=True),
+    "sumsq": lambda: _C.sumsq(view),
+    "scale_": lambda: _C.scale_(view, 2.0),
+    "cast_into": lambda: _C.cast_(view, host),
+    "cast_from": lambda: _C.cast_(host, view),
+}
+try:
+    touches[sys.argv[1]]()
+except OSError as error:
+    print("OSError", error)
+os.remove(disk.path)
+"""
+
+
+@pytest.mark.parametrize("touch", ["zero_", "dlpack_copy", "sumsq", "scale_", "cast_into",
+                                   "cast_from"])
+def test_every_touch_of_a_shortened_file_is_an_oserror(touch):
+    # each in a child: before the check, the touch was a SIGBUS
+    result = subprocess.run([sys.executable, "-c", SHORTENED_FILE_SCRIPT, touch],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "OSError" in result.stdout and "shortened it" in result.stdout, result.stdout
 
 
 def test_reload_from_a_shortened_offload_file_raises_and_stays_offloaded(tmp_path):
