@@ -502,11 +502,24 @@ class ZeroAdamW(Optimizer):
         already reached them through param.grad) and records one verdict for
         all ranks where its update() reads it; True when they are finite."""
         record = grad_scaler._per_optimizer_states[id(self)]
+        unscaled = record["stage"].name == "UNSCALED"
         if reached is None:
-            reached = record["stage"].name == "UNSCALED" and bool(record["found_inf_per_device"])
+            reached = unscaled and bool(record["found_inf_per_device"])
+        if unscaled and not reached and self.reducer is not None and self.engine.clipped:
+            raise RuntimeError(
+                "grad_scaler.unscale_(optimizer) reached no grads: at stage "
+                f"{self.stage} they live in the optimizer's shards, not in param.grad, so "
+                "the clip_grad_norm_ after it measured grads still multiplied by the scale "
+                f"({grad_scaler.get_scale():g}). Call optimizer.unscale_(grad_scaler) "
+                "instead, before clipping. Nothing was stepped; the grads are clipped by "
+                "the wrong factor, so zero them and run backward again.")
+        # An Inf the scaler's own unscale_ found counts even when something
+        # (clip_grad_value_, say) made the grads finite since, as in torch.
+        found = reached and any(bool(flag.item()) for flag in
+                                record["found_inf_per_device"].values())
         if not reached:
             self.engine.scale_grads(plans, 1.0 / grad_scaler.get_scale())
-        finite = math.isfinite(self.engine.sumsq(plans))
+        finite = math.isfinite(self.engine.sumsq(plans, local_inf=found))
         flag = torch.tensor(0.0 if finite else 1.0, dtype=torch.float32,
                             device=grad_scaler._scale.device)
         record["found_inf_per_device"] = {flag.device: flag}

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .engine import warn_user
 from .optim_options import check_group, group_storage
 
 SHARDED_FORMAT = "rlhfz.sharded_optimizer_state.v1"
@@ -225,6 +226,7 @@ def load_checked(engine, param_groups, state_dict, index_to_param, options=None)
     for copied, group in zip(options, param_groups):
         group.update(copied)
     loaded = {id(index_to_param[k]): entry for k, entry in state_dict["state"].items()}
+    stale = []
     for bucket in engine.buckets:
         state = bucket.state
         for i, p in enumerate(bucket.params):
@@ -239,10 +241,30 @@ def load_checked(engine, param_groups, state_dict, index_to_param, options=None)
             state.write("exp_avg_sq", i, bucket.local_part(i, entry["exp_avg_sq"]))
             state.steps[i] = float(entry["step"])
             if bucket.has_master:
-                master = entry.get("master_param")
-                state.write("master", i, (bucket.local_part(i, master) if master is not None
-                                          else bucket.param_shard_part(i)).float())
+                state.write("master", i, _master_for(bucket, i, entry.get("master_param"),
+                                                     stale))
             engine.register(bucket, i)
         # fp32 params are their own master: the host part's copy follows them
         bucket.pull_host_part(master=not bucket.has_master)
     engine.grads_changed()
+    if stale:
+        warn_user(
+            f"rlhfz: the state dict's master_param of {len(stale)} param(s) (e.g. one of "
+            f"shape {stale[0]}) does not round to the param as it is now, or is not fp32 "
+            f"(torch.optim.AdamW casts it to the param's dtype and never updates it): the "
+            f"fp32 master weights start again from the params")
+
+
+def _master_for(bucket, index: int, master, stale: list) -> torch.Tensor:
+    """This rank's part of a 16-bit param's fp32 master: the saved one when
+    it is fp32 and rounds to the param (as the optimizer that saved it left
+    them), else the param's own values: after a round trip through torch's
+    AdamW, which trains the param and leaves the saved master behind, the
+    params are what training reached."""
+    param = bucket.param_shard_part(index)
+    if master is not None:
+        part = bucket.local_part(index, master).reshape(-1)
+        if part.dtype == torch.float32 and torch.equal(part.to(param.dtype), param):
+            return part
+        stale.append(tuple(bucket.params[index].shape))
+    return param.float()

@@ -41,3 +41,43 @@ def scaled_training(rank, world_size, stage, steps=24, inf_at=(5, 11), clip_ever
     params = {n: t.clone() for n, t in rlhfz.iter_full_params(m)}
     return {"params": params, "scales": scales,
             "skipped": getattr(opt, "skipped_steps", None)}
+
+
+def inf_then_clamped(rank, world_size, stage):
+    """scaler.unscale_ finds an Inf on rank 0 alone; clip_grad_value_ then
+    makes every grad finite. As in torch, the Inf found counts: the step is
+    skipped on every rank and the scale backs off."""
+    m = model()
+    opt = rlhfz.ZeroAdamW(m, lr=1e-2, stage=stage)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+    before = [p.detach().clone() for p in m.parameters()]
+    scaler.scale(m(torch.randn(8, 16)).pow(2).mean()).backward()
+    if rank == 0:
+        m[0].weight.grad[0, 0] = float("inf")
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_value_(m.parameters(), 1.0)
+    scaler.step(opt)
+    scaler.update()
+    return {"moved": any(not torch.equal(p, b) for p, b in zip(m.parameters(), before)),
+            "scale": scaler.get_scale(), "skipped": opt.skipped_steps, "state": len(opt.state)}
+
+
+def clip_after_an_unscale_that_reached_nothing(rank, world_size, stage):
+    """At stages 2 and 3 param.grad is None after backward: the scaler's
+    unscale_ reaches nothing, so a clip after it measures scaled grads."""
+    warnings.simplefilter("ignore", FutureWarning)
+    m = model()
+    opt = rlhfz.ZeroAdamW(m, lr=1e-2, stage=stage)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+    scaler.scale(m(torch.randn(8, 16)).pow(2).mean()).backward()
+    scaler.unscale_(opt)
+    opt.clip_grad_norm_(0.5)
+    before = {n: t.clone() for n, t in rlhfz.iter_full_params(m)}
+    try:
+        scaler.step(opt)
+        error = None
+    except RuntimeError as caught:
+        error = str(caught)
+    after = {n: t.clone() for n, t in rlhfz.iter_full_params(m)}
+    return {"error": error, "unchanged": all(torch.equal(before[n], after[n]) for n in before),
+            "state": len(opt.state)}

@@ -34,3 +34,17 @@ def test_two_ranks_follow_torch(reference, stage):
         assert results[rank]["scales"] == reference["scales"]
         assert results[rank]["skipped"] == 2
         _close(results[rank]["params"], reference["params"])
+
+
+@pytest.mark.parametrize("stage, world_size", [(0, 1), (1, 2)])
+def test_an_inf_the_scalers_unscale_found_skips_the_step(stage, world_size):
+    results = run_ranks(workers.inf_then_clamped, world_size, stage)
+    for out in results:
+        assert out == {"moved": False, "scale": 2.0 ** 11, "skipped": 1, "state": 0}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_clip_after_the_scalers_unscale_of_sharded_grads_is_refused(stage):
+    for out in run_ranks(workers.clip_after_an_unscale_that_reached_nothing, 2, stage):
+        assert out["error"] is not None and "optimizer.unscale_(grad_scaler)" in out["error"]
+        assert out["unchanged"] and out["state"] == 0

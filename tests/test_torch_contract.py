@@ -1,6 +1,8 @@
 """ZeroAdamW against torch.optim.AdamW as a user meets it: for each input
 below, torch's own optimizer is run first and its outcome is the contract
 (the same exception type, or acceptance), so a change in torch shows here."""
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -290,3 +292,48 @@ def test_optimizer_state_is_a_mapping_as_torch_keeps_it():
     for ours, theirs in zip(seen[1].values(), seen[0].values()):
         for name in theirs:
             torch.testing.assert_close(ours[name], theirs[name])
+
+
+def _bf16_training(opt_of, params, steps, seed):
+    opt = opt_of(params)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
+        opt.step()
+    return opt
+
+
+def test_a_state_dict_that_went_through_torch_adamw_continues_from_the_params():
+    """torch keeps rlhfz's master_param as an unknown key: it casts it to
+    bf16 on load and never updates it. Back in rlhfz, training goes on from
+    the params torch trained, not from the master left behind."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(300, 7).to(torch.bfloat16)) for _ in range(2)]
+    ours = _bf16_training(lambda ps: rlhfz.ZeroAdamW(ps, lr=1e-2), params, 3, seed=1)
+    theirs = torch.optim.AdamW(params, lr=1e-2)
+    theirs.load_state_dict(ours.state_dict())
+    assert theirs.state[params[0]]["master_param"].dtype == torch.bfloat16
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape).to(torch.bfloat16)
+        theirs.step()
+    again = rlhfz.ZeroAdamW(params, lr=1e-2)
+    with pytest.warns(RuntimeWarning, match="master_param of 2 param.*start again") as caught:
+        again.load_state_dict(theirs.state_dict())
+    assert caught[0].filename == __file__
+    for p in params:
+        assert torch.equal(again.state[p]["master_param"], p.detach().float())
+
+
+def test_a_master_that_rounds_to_its_param_is_kept_in_fp32():
+    params = [torch.nn.Parameter(torch.randn(300, 7).to(torch.bfloat16))]
+    ours = _bf16_training(lambda ps: rlhfz.ZeroAdamW(ps, lr=1e-2), params, 3, seed=2)
+    saved = ours.state_dict()
+    master = saved["state"][0]["master_param"].clone()
+    assert not torch.equal(master, params[0].detach().float())    # finer than bf16
+    again = rlhfz.ZeroAdamW(params, lr=1e-2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again.load_state_dict(saved)
+    assert torch.equal(again.state[params[0]]["master_param"], master)

@@ -92,6 +92,7 @@ class ShardEngine:
         # scale; anything else that reads or adds to those grads applies it
         # first (settle_grads), as does the reducer before new grads come.
         self._pending_clip: tuple[list, float] | None = None
+        self.clipped = False             # clip() ran since the grads were last zeroed
         # The sum of squares of the grads as the next step reads them (clip
         # included), over all ranks, from the last check; None: not known.
         self._step_sumsq: float | None = None
@@ -183,6 +184,7 @@ class ShardEngine:
     def zero_grads(self, set_to_none: bool) -> None:
         self.grads_changed()
         self._pending_clip = None        # the grads it scaled are gone
+        self.clipped = False
         if self.reducer is not None:
             self.reducer.zero(set_to_none)   # stage 2 holds no full grads: the shards start over
         for bucket in self.buckets:
@@ -322,10 +324,11 @@ class ShardEngine:
         if pending is not None:
             self._scale_views(*pending)
 
-    def sumsq(self, plans) -> float:
-        """Sum of squares of every (reduced) grad, over all ranks."""
+    def sumsq(self, plans, local_inf: bool = False) -> float:
+        """Sum of squares of every (reduced) grad, over all ranks; local_inf:
+        this rank knows of an Inf already, so every rank's total is Inf."""
         self.settle_grads()
-        total = self.backend.sumsq(self._grad_views(plans))
+        total = math.inf if local_inf else self.backend.sumsq(self._grad_views(plans))
         if self.comm is not None:
             total = self.comm.all_reduce_sum_host(total)
         self._step_sumsq = total
@@ -393,6 +396,7 @@ class ShardEngine:
         dtype (the grads' promoted one). A NaN norm makes every grad NaN and
         an infinite one zeroes them (an Inf grad becomes NaN), as in torch.
         sumsq: the grads' sum of squares (of a 2-norm), or None."""
+        self.clipped = True
         norm = torch.tensor(total, dtype=dtype)
         coef = float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
         if coef < 1.0 and self.reducer is not None and math.isfinite(total):
