@@ -7,6 +7,7 @@ optim_options.py, and state dicts are translated in state_dict.py.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import weakref
@@ -696,6 +697,20 @@ class ZeroAdamW(Optimizer):
             placement[kind] = tiers[0] if len(tiers) == 1 else (home if not tiers else
                                                                 "+".join(tiers))
         return placement
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """As DistributedDataParallel.no_sync(): at stage 1 across ranks the
+        backwards inside keep each rank's own grads in p.grad, and the next
+        backward outside (or the step) averages what they accumulated: one
+        all-reduce per accumulation instead of one per backward. Elsewhere
+        it changes nothing (stages 2 and 3 reduce-scatter in every backward)."""
+        engine = self.engine
+        before, engine.average_after_backward = engine.average_after_backward, False
+        try:
+            yield
+        finally:
+            engine.average_after_backward = before
 
     def synchronize(self) -> None:
         """Waits for the copies a non_blocking offload() or reload() left in

@@ -1,4 +1,5 @@
 """Per-rank bodies of the multi-process tests (importable by spawned ranks)."""
+import contextlib
 import os
 
 import torch
@@ -732,3 +733,34 @@ def two_optimizers_over_shared_params(rank, world_size, stage):
     critic.close()
     actor.close()
     return None
+
+
+def stage1_torch_clip_and_no_sync(rank, world_size, accumulate_in_no_sync):
+    """At stage 1 p.grad holds the mean when each backward ends, as under
+    DDP: torch's own clip_grad_norm_ between backward and step sees it.
+    Micro-batches accumulate into the mean; inside no_sync() they stay
+    local until the backward after it."""
+    model, plain = make_model(), make_model()
+    opt = rlhfz.ZeroAdamW(model.parameters(), lr=1e-2, stage=1)
+    ref = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    norms = []
+    for x, y in batches(3):
+        per_rank = GLOBAL_BATCH // world_size
+        xs, ys = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+        pieces = list(zip(xs.chunk(2), ys.chunk(2)))
+        first = opt.no_sync() if accumulate_in_no_sync else contextlib.nullcontext()
+        with first:
+            torch.nn.functional.mse_loss(model(pieces[0][0]), pieces[0][1]).div(2).backward()
+        torch.nn.functional.mse_loss(model(pieces[1][0]), pieces[1][1]).div(2).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)))
+        opt.step()
+        opt.zero_grad()
+        for xm, ym in zip(x.chunk(2 * world_size), y.chunk(2 * world_size)):
+            torch.nn.functional.mse_loss(plain(xm), ym).div(2 * world_size).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.1)))
+        ref.step()
+        ref.zero_grad()
+    opt.close()
+    return {"norms": norms,
+            "params": max(float((a - b).abs().max())
+                          for a, b in zip(model.parameters(), plain.parameters()))}

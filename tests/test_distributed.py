@@ -423,6 +423,14 @@ def test_a_stage1_clip_scales_the_whole_mean_grad():
         assert result["clipped"] < 1e-7 and result["stepped"] < 1e-6, result
 
 
+@pytest.mark.parametrize("world_size, no_sync", [(2, False), (3, False), (2, True)])
+def test_stage1_grads_are_the_mean_when_backward_ends(world_size, no_sync):
+    for result in run_ranks(workers.stage1_torch_clip_and_no_sync, world_size, no_sync):
+        ours, torchs = result["norms"][0::2], result["norms"][1::2]
+        assert ours == pytest.approx(torchs, rel=1e-5), result
+        assert result["params"] < 5e-5, result       # an lr of 1e-2, three steps
+
+
 def test_a_backward_while_grads_are_offloaded_says_to_reload():
     for refused in run_ranks(workers.backward_while_grads_offloaded, 2, 2):
         assert refused is not None and "call reload()" in refused

@@ -93,6 +93,12 @@ class ShardEngine:
         # first (settle_grads), as does the reducer before new grads come.
         self._pending_clip: tuple[list, float] | None = None
         self.clipped = False             # clip() ran since the grads were last zeroed
+        # Stage 1 across ranks averages grads when a backward ends, as DDP
+        # does (so p.grad holds the mean for whatever reads it before the
+        # step); inside no_sync() that waits for a later backward or the step.
+        self.average_after_backward = True
+        self._average_queued = False
+        self._stale: set[int] = set()    # id(bucket): stage 1's next average includes it
         # The sum of squares of the grads as the next step reads them (clip
         # included), over all ranks, from the last check; None: not known.
         self._step_sumsq: float | None = None
@@ -139,7 +145,8 @@ class ShardEngine:
 
     def attach(self, buckets: list[Bucket]) -> None:
         """Makes the buckets' params views of their memory, and the engine's."""
-        sink = self.reducer.on_grad if self.reducer is not None else _keep_grad_in_bucket
+        sink = (self.reducer.on_grad if self.reducer is not None else
+                self._grad_arrived if self.comm is not None else _keep_grad_in_bucket)
         for bucket in buckets:
             bucket.attach(sink, index=len(self.buckets))
             self.buckets.append(bucket)
@@ -277,14 +284,38 @@ class ShardEngine:
             plans.append(BucketPlan(bucket, present, runs, segments))
         return plans
 
+    def _grad_arrived(self, bucket: Bucket, index: int, param: torch.Tensor) -> None:
+        """Stage 1 across ranks: the grad goes into its bucket, and the first
+        of a backward queues the average for when the backward ends."""
+        _keep_grad_in_bucket(bucket, index, param)
+        if self._average_queued or not self.average_after_backward:
+            return
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self._average_grads)
+        except RuntimeError:
+            return       # not inside backward (a grad set by hand): the step averages
+        self._average_queued = True
+
+    def _average_grads(self) -> None:
+        self._average_queued = False
+        presence = self._agree_presence([bucket.collect_grads() for bucket in self.buckets],
+                                        "backward")
+        self._reduce_grads(presence)
+
     def _agree_presence(self, presence, call):
         """A param has a grad if it has one on any rank (DDP's rule); ranks
         without it contribute zeros. One small MAX all-reduce, under rlhfz's
-        timeout, which also catches a rank that never entered the step."""
+        timeout, which also catches a rank that never entered the step.
+        Stage 1: a bucket written since its last average on any rank is
+        averaged again on every rank (self._stale)."""
         flat = [has for present in presence for has in present]
+        full = [bucket for bucket in self.buckets if bucket.full_grads]
         self.comm.agree(f"ZeroAdamW.{call}", {"params": len(flat)})
-        mask = torch.tensor(flat, dtype=torch.uint8)
+        mask = torch.tensor(flat + [not bucket.grads_reduced() for bucket in full],
+                            dtype=torch.uint8)
         self.comm.all_reduce_max_control(mask, f"ZeroAdamW.{call}")
+        self._stale = {id(bucket) for bucket, stale in
+                       zip(full, mask[len(flat):].tolist()) if stale}
         merged, i = [], 0
         for bucket, present in zip(self.buckets, presence):
             agreed = [bool(v) for v in mask[i:i + len(present)].tolist()]
@@ -304,7 +335,7 @@ class ShardEngine:
         per backward (as DDP leaves them); this rank's shard is a range."""
         works = []
         for bucket, present in zip(self.buckets, presence):
-            if any(present) and not bucket.grads_reduced():
+            if any(present) and id(bucket) in self._stale:
                 target = bucket.flat_grad
                 if bucket.flat_reduce_staging is not None:
                     bucket.flat_reduce_staging.copy_(target)    # 16-bit grads summed in fp32
@@ -312,6 +343,10 @@ class ShardEngine:
                 works.append((bucket, self.comm.all_reduce_avg(target, async_op=True)))
         for bucket, work in works:
             work.wait()
+            if bucket.flat_reduce_staging is not None:
+                # p.grad holds the mean too (rounded), as DDP leaves it; the
+                # step reads the fp32 sum's mean
+                bucket.flat_grad.copy_(bucket.flat_reduce_staging)
             bucket.mark_reduced()
 
     def _grad_views(self, plans):
