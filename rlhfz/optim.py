@@ -169,68 +169,81 @@ class ZeroAdamW(Optimizer):
         if collectives == "nccl" and self.backend.tier != "device":
             raise ValueError(f"collectives='nccl' needs params on a CUDA device, not "
                              f"{self.device}")
+        self._engines: list = []                # every engine built, for _let_go
+        made_comm = record is None
         self.comm = (record.comm if record is not None else
                      communicator_for(process_group, collectives, self.backend, device_mesh))
-        self.rank = self.comm.rank if self.comm else 0
-        self.world_size = self.comm.world_size if self.comm else 1
-        if self.world_size > 1 and stage == 0:
-            raise ValueError(f"stage=0 does not shard, so it has no use for {self.world_size} "
-                             f"ranks: wrap the model in DistributedDataParallel, or pick "
-                             f"stage 1, 2 or 3")
-        self.stage = stage
-        self.module = module
-        self.reduce_dtype = reduce_dtype
-        self.bucket_bytes = bucket_bytes
-        self.offload_target = offload
-        self.offload_ratio = float(offload_ratio)
-        self.pin_memory = pin_memory
-        self.nonfinite = nonfinite
-        self.wrap = wrap
-        self.param_persistence_threshold = param_persistence_threshold
-        self.skipped_steps = 0
-        self._built_storage: list[tuple] = []   # each group's (state_dtype, min_8bit_size)
-        self._built_params: list[tuple] = []    # each group's params, as its buckets hold them
-        self.entries = StateEntries()           # what optimizer.state was given
-        # offload="cpu": this fraction of each shard's optimizer state lives
-        # and steps on the host (pinned per pin_memory, like offload()).
-        # Nothing the engine keeps refers back to the optimizer: with no cycle,
-        # an optimizer dropped is freed at once (its device memory too),
-        # not at some later garbage collection.
-        self._engines: list = []                # every engine built, for _let_go
-        self._closed = False
-        self._make_engine()
-        if stage >= 2 and self.world_size > 1:
-            self.engine.use_reducer(GradReducer(self.engine.buckets, self.comm, self.backend,
-                                                self.bucket_bytes))
-            watch_zero_grad(self.engine)
-        # Stage 3 across ranks: params sharded too, gathered per unit
-        # (stage3.py); the model's frozen params are sharded beside them
-        # (sharding.py), and a model sharded before brings its own.
-        self.stage3 = None
-        self.sharding = None
-        if stage == 3 and self.world_size > 1:
-            if record is None:
-                shard_with(module, self.comm, self.backend, wrap, param_persistence_threshold,
-                           [p for p in module.parameters() if not p.requires_grad])
-                record = sharding_of_model(module)
-            self.sharding = record
-            self.stage3 = record.stage3
-            self.engine.reducer.on_staged = self.stage3.on_staged
-            self.engine.reducer.after_flush = self.stage3.release_all
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
-                        maximize=maximize, foreach=foreach, capturable=False,
-                        differentiable=False, fused=fused, decoupled_weight_decay=True,
-                        state_dtype=state_dtype, min_8bit_size=min_8bit_size)
         try:
+            self.rank = self.comm.rank if self.comm else 0
+            self.world_size = self.comm.world_size if self.comm else 1
+            if self.world_size > 1 and stage == 0:
+                raise ValueError(f"stage=0 does not shard, so it has no use for "
+                                 f"{self.world_size} ranks: wrap the model in "
+                                 f"DistributedDataParallel, or pick stage 1, 2 or 3")
+            self.stage = stage
+            self.module = module
+            self.reduce_dtype = reduce_dtype
+            self.bucket_bytes = bucket_bytes
+            self.offload_target = offload
+            self.offload_ratio = float(offload_ratio)
+            self.pin_memory = pin_memory
+            self.nonfinite = nonfinite
+            self.wrap = wrap
+            self.param_persistence_threshold = param_persistence_threshold
+            self.skipped_steps = 0
+            self._built_storage: list[tuple] = []   # each group's (state_dtype, min_8bit_size)
+            self._built_params: list[tuple] = []    # each group's params, as its buckets hold them
+            self.entries = StateEntries()           # what optimizer.state was given
+            # offload="cpu": this fraction of each shard's optimizer state lives
+            # and steps on the host (pinned per pin_memory, like offload()).
+            # Nothing the engine keeps refers back to the optimizer: with no cycle,
+            # an optimizer dropped is freed at once (its device memory too),
+            # not at some later garbage collection.
+            self._closed = False
+            self._make_engine()
+            if stage >= 2 and self.world_size > 1:
+                self.engine.use_reducer(GradReducer(self.engine.buckets, self.comm, self.backend,
+                                                    self.bucket_bytes))
+                watch_zero_grad(self.engine)
+            # Stage 3 across ranks: params sharded too, gathered per unit
+            # (stage3.py); the model's frozen params are sharded beside them
+            # (sharding.py), and a model sharded before brings its own.
+            self.stage3 = None
+            self.sharding = None
+            if stage == 3 and self.world_size > 1:
+                if record is None:
+                    shard_with(module, self.comm, self.backend, wrap,
+                               param_persistence_threshold,
+                               [p for p in module.parameters() if not p.requires_grad])
+                    record = sharding_of_model(module)
+                self.sharding = record
+                self.stage3 = record.stage3
+                self.engine.reducer.on_staged = self.stage3.on_staged
+                self.engine.reducer.after_flush = self.stage3.release_all
+            defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                            amsgrad=False, maximize=maximize, foreach=foreach, capturable=False,
+                            differentiable=False, fused=fused, decoupled_weight_decay=True,
+                            state_dtype=state_dtype, min_8bit_size=min_8bit_size)
             super().__init__(params, defaults)
         except BaseException:
-            # the groups built before the bad one leave the model as it was
-            _let_go(self._engines)
+            # the groups built before the bad one leave the model as it was,
+            # and a communicator this constructor made goes with it
+            self._abandon(made_comm)
             raise
         _LIVE.add(self)
         # Dropped without close(), it still lets go of the params' grad
         # hooks, which would go on taking their grads from p.grad.
         weakref.finalize(self, _let_go, self._engines)
+
+    def _abandon(self, made_comm: bool) -> None:
+        _let_go(self._engines)
+        record = sharding_of_model(self.module) if getattr(self, "module", None) is not None \
+            else None
+        if made_comm and self.comm is not None and (record is None or record.comm is not self.comm):
+            try:
+                self.comm.destroy()
+            except Exception:       # noqa: BLE001 (the constructor's own error is the news)
+                pass
 
     def _refuse_params_of_another(self, tensors: list) -> None:
         """A param another live ZeroAdamW trains, where either one's grads go
@@ -750,10 +763,12 @@ class ZeroAdamW(Optimizer):
         values and train with whatever optimizer comes next."""
         self._closed = True
         _let_go(self._engines)
-        if self.comm is not None:
-            self.comm.destroy()
         from .engine import release_pinned
-        release_pinned()
+        try:
+            if self.comm is not None:
+                self.comm.destroy()
+        finally:
+            release_pinned()
 
     def __repr__(self) -> str:
         params = sum(len(b.params) for b in self.engine.buckets)

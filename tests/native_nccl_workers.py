@@ -61,23 +61,24 @@ def train(rank, world_size, collectives, stage, dtype_name):
         opt.close()
 
 
-def die_mid_collective(rank, world_size, victim, out_dir):
-    """Every rank trains; at step 2 the victim is SIGKILLed just before its
-    grads' reduce-scatter, which the others are already in. Survivors write
-    what they saw to out_dir (the victim never returns)."""
-    torch.manual_seed(0)
-    model = Net()
-    opt = rlhfz.ZeroAdamW(model.parameters(), lr=1e-2, stage=2, collectives="nccl")
+def _train_until_one_dies(model, opt, rank, world_size, victim, out_dir, before_death=None):
+    """Trains 4 steps; at step 2 the victim SIGKILLs itself (after its
+    forward, or, with before_death, after that and before the forward).
+    Survivors write what they saw to out_dir (the victim never returns)."""
     started = None
     try:
         for step in range(4):
             x, y = _batch(step, rank, world_size, torch.float32)
             opt.zero_grad()
-            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss = torch.nn.functional.mse_loss(model(x), y) if before_death is None else None
             if step == 2:
+                if before_death is not None:
+                    before_death(x)
                 if rank == victim:
                     os.kill(os.getpid(), signal.SIGKILL)
                 started = time.monotonic()
+            if loss is None:
+                loss = torch.nn.functional.mse_loss(model(x), y)
             loss.backward()
             opt.step()
         outcome = {"raised": None}
@@ -85,6 +86,16 @@ def die_mid_collective(rank, world_size, victim, out_dir):
         outcome = {"raised": str(error), "after_s": time.monotonic() - started}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(outcome, f)
+    return outcome
+
+
+def die_mid_collective(rank, world_size, victim, out_dir):
+    """Every rank trains; at step 2 the victim is SIGKILLed just before its
+    grads' reduce-scatter, which the others are already in."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = rlhfz.ZeroAdamW(model.parameters(), lr=1e-2, stage=2, collectives="nccl")
+    outcome = _train_until_one_dies(model, opt, rank, world_size, victim, out_dir)
     try:
         opt.close()
     except Exception as error:        # noqa: BLE001 (recorded: close must not hang)
@@ -113,3 +124,85 @@ def collective_after_death(rank, world_size, victim, out_dir):
         json.dump(outcome, f)
     comm.destroy()
     return outcome
+
+
+def _native_comm():
+    from rlhfz.engine import backend_for
+    from rlhfz.comm import NativeNcclCommunicator
+    return NativeNcclCommunicator(None, backend_for(torch.device("cpu")))
+
+
+def _outcome(call) -> str | None:
+    try:
+        call()
+    except CollectiveError as error:
+        return str(error)
+    return None
+
+
+def mismatched_sizes_then_destroy(rank, world_size):
+    """The ranks all-reduce different sizes: NCCL flags the communicator's
+    error and the collective ends without a result. The first wait raises
+    (before anything reads the tensor); destroy() then raises too, after
+    releasing everything it holds."""
+    comm = _native_comm()
+    tensor = comm.backend.empty(1000 + rank, torch.float32).fill_(float(rank + 1))
+    first = _outcome(lambda: comm.all_reduce_avg(tensor))
+    second = _outcome(lambda: comm.all_reduce_avg(comm.backend.empty(8, torch.float32)))
+    destroyed = _outcome(comm.destroy)
+    return {"first": first, "second": second, "destroy": destroyed,
+            "stream_closed": comm.data.stream.handle == 0,
+            "control_released": comm.control.group is None}
+
+
+def refused_constructor(rank, world_size):
+    """A ZeroAdamW(collectives="nccl") that refuses its arguments after it
+    made its communicator leaves no communicator or watchdog behind."""
+    import threading
+    model = Net()
+    try:
+        rlhfz.ZeroAdamW([{"params": list(model.parameters())[:2]},
+                         {"params": list(model.parameters())[2:], "lr": -1.0}],
+                        stage=2, collectives="nccl")
+        refused = None
+    except ValueError as error:
+        refused = str(error)
+    watchdogs = [t for t in threading.enumerate() if t.name == "rlhfz-nccl-watchdog"]
+    return {"refused": refused, "watchdogs": len(watchdogs)}
+
+
+def gather_then_peer_dies(rank, world_size, victim, out_dir):
+    """Stage 3: the ranks gather for generation (the buffers it frees are
+    released later, from a pending call), then the victim dies before the
+    next forward. The survivor raises within the timeout."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = rlhfz.ZeroAdamW(model, lr=1e-2, stage=3, collectives="nccl",
+                          param_persistence_threshold=0)
+
+    def generate(x):
+        with rlhfz.gather_for_generation(model):
+            model(x)
+    return _train_until_one_dies(model, opt, rank, world_size, victim, out_dir, generate)
+
+
+def launch_fails(rank, world_size, failing_rank):
+    """A collective NCCL refuses at launch (a CUDA call inside it fails) is a
+    CollectiveError on that rank, with params and state unchanged."""
+    from rlhfz import _C
+    torch.manual_seed(0)
+    model = Net()
+    opt = rlhfz.ZeroAdamW(model.parameters(), lr=1e-2, stage=2, collectives="nccl")
+    x, y = _batch(0, rank, world_size, torch.float32)
+    before = [p.detach().clone() for p in model.parameters()]
+    if rank == failing_rank:
+        _C.cuda_sim_inject("cudaLaunchHostFunc:1")
+    try:
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        raised = None
+    except CollectiveError as error:
+        raised = str(error)
+    return {"raised": raised, "unchanged": all(torch.equal(p, b) for p, b in
+                                               zip(model.parameters(), before)),
+            "state": len(opt.state)}

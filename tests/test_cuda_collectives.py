@@ -168,3 +168,50 @@ def test_the_watchdog_aborts_a_collective_a_dead_rank_never_joins(monkeypatch, t
         assert "NCCL communicator was aborted" in outcome["raised"]
         assert timeout <= outcome["after_s"] < timeout + 5, outcome
         assert outcome["alive"] is False
+
+
+@needs_simulator
+@needs_nccl
+def test_an_error_nccl_flags_raises_at_the_first_wait(monkeypatch):
+    """Different sizes on the two ranks: the stand-in flags the error, and
+    the wait that would hand back an unreduced tensor raises instead. The
+    communicator is aborted then; destroy() releases the rest."""
+    monkeypatch.setenv("RLHFZ_SIM_DEVICE", "0")
+    monkeypatch.setenv("RLHFZ_COLLECTIVE_TIMEOUT", "20")
+    for out in run_ranks(workers.mismatched_sizes_then_destroy, 2):
+        assert out["first"] is not None and "NCCL" in out["first"], out
+        assert out["second"] is not None and "aborted" in out["second"], out
+        assert out["destroy"] is None, out         # aborted at the error: nothing to destroy
+        assert out["stream_closed"] and out["control_released"], out
+
+
+@needs_simulator
+@needs_nccl
+def test_a_refused_constructor_leaves_no_communicator(monkeypatch):
+    monkeypatch.setenv("RLHFZ_SIM_DEVICE", "0")
+    for out in run_ranks(workers.refused_constructor, 2):
+        assert out["refused"] is not None and out["watchdogs"] == 0, out
+
+
+@needs_simulator
+@needs_nccl
+def test_a_peer_dying_after_a_gather_for_generation_raises(monkeypatch, tmp_path):
+    """Stage 3: buffers released after the gather free device memory, which
+    waits for the collectives queued before it: those are watched from
+    before their launch, so the watchdog still aborts them at the timeout."""
+    timeout = 6
+    monkeypatch.setenv("RLHFZ_SIM_DEVICE", "0")
+    monkeypatch.setenv("RLHFZ_COLLECTIVE_TIMEOUT", str(timeout))
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] gave no result"):
+        run_ranks(workers.gather_then_peer_dies, 2, 1, str(tmp_path), timeout=90)
+    for outcome in _survivors(tmp_path, 2, 1):
+        assert outcome["after_s"] < timeout + 10, outcome
+
+
+@needs_simulator
+@needs_nccl
+def test_a_collective_refused_at_launch_is_a_collective_error(monkeypatch):
+    monkeypatch.setenv("RLHFZ_SIM_DEVICE", "0")
+    monkeypatch.setenv("RLHFZ_COLLECTIVE_TIMEOUT", "6")
+    for out in run_ranks(workers.launch_fails, 2, 0):
+        assert out["raised"] is not None and out["unchanged"] and out["state"] == 0, out

@@ -62,10 +62,15 @@ class Communicator:
     def destroy(self) -> None:
         """Releases the groups rlhfz made (their sockets and gloo threads);
         every rank calls it, and nothing collective works afterwards."""
-        if self.data is not self.torch:
-            self.data.destroy()
-        self.torch.destroy()
-        self.control.destroy()
+        # each part goes even when one before it fails (its error is raised)
+        try:
+            if self.data is not self.torch:
+                self.data.destroy()
+        finally:
+            try:
+                self.torch.destroy()
+            finally:
+                self.control.destroy()
 
     # ---- the control plane -----------------------------------------------------------
 

@@ -38,7 +38,7 @@ import time
 import torch
 
 from .. import _C
-from .control import CollectiveError, CollectiveMismatchError, ControlPlane, collective_timeout
+from .control import CollectiveError, ControlPlane, collective_timeout
 from .nccl_library import load
 
 
@@ -61,6 +61,9 @@ class _NativeWork:
         done, self.done = self.done, None
         done.wait(self.comm.torch_stream())
         done.synchronize()         # returns once done, or once the watchdog's abort ends it
+        # An error NCCL flagged (a size mismatch, say) ends the collective
+        # without its result: asked now, not at the watchdog's next look.
+        self.comm.watchdog.poll()
         self.comm.raise_if_failed()
 
 
@@ -79,9 +82,23 @@ class _Watchdog:
         self.thread = threading.Thread(target=self._run, name="rlhfz-nccl-watchdog", daemon=True)
         self.thread.start()
 
-    def watch(self, done, what: str) -> None:
+    def watch(self, what: str) -> list:
+        """Watches a collective from before its launch: anything that blocks
+        between the launch and its event (a cudaFree synchronizes the
+        device) is then under the timeout too. Its event goes in the
+        returned entry once recorded; until then it counts as in flight."""
+        entry = [None, time.monotonic(), what]
         with self.lock:
-            self.in_flight.append((done, time.monotonic(), what))
+            self.in_flight.append(entry)
+        return entry
+
+    def forget(self, entry: list) -> None:
+        """A collective whose launch failed: nothing is in flight for it."""
+        with self.lock:
+            self.in_flight = [e for e in self.in_flight if e is not entry]
+
+    def _pending(self) -> list:
+        return [e for e in self.in_flight if e[0] is None or not e[0].query()]
 
     def _run(self) -> None:
         while not self.stopping.wait(self.POLL_S):
@@ -91,7 +108,7 @@ class _Watchdog:
     def poll(self) -> bool:
         """One look; True once it has aborted the communicator."""
         with self.lock:
-            self.in_flight = [entry for entry in self.in_flight if not entry[0].query()]
+            self.in_flight = self._pending()
             oldest = self.in_flight[0] if self.in_flight else None
         nccl = self.comm.nccl
         if not nccl.alive:
@@ -99,13 +116,13 @@ class _Watchdog:
         try:
             nccl.check()           # aborts the communicator on an asynchronous error
         except RuntimeError as error:
-            self._fail(f"an NCCL operation failed ({error})")
+            self.fail(f"an NCCL operation failed ({error})")
             return True
         if self.error is not None:
             return True
         if oldest is not None and time.monotonic() - oldest[1] > collective_timeout():
             # the error first: the abort ends the waits, which then look for it
-            self._fail(f"{oldest[2]} did not complete within {collective_timeout():.0f} s "
+            self.fail(f"{oldest[2]} did not complete within {collective_timeout():.0f} s "
                        f"(RLHFZ_COLLECTIVE_TIMEOUT): not every rank of the "
                        f"{self.comm.world_size} took part (one died, hangs, or is in another "
                        f"call); the NCCL communicator was aborted")
@@ -116,14 +133,14 @@ class _Watchdog:
             return True
         return False
 
-    def _fail(self, what: str) -> None:
+    def fail(self, what: str) -> None:
         with self.lock:
             if self.error is None:
                 self.error = self.comm.control.lost(what)
 
     def busy(self) -> bool:
         with self.lock:
-            self.in_flight = [entry for entry in self.in_flight if not entry[0].query()]
+            self.in_flight = self._pending()
             return bool(self.in_flight)
 
     def stop(self) -> None:
@@ -148,8 +165,12 @@ class NcclEngine:
         # NCCL binds a communicator to the device current at init.
         with backend.device_guard():
             self.nccl = _C.NcclComm(unique_id, self.world_size, self.rank, self.index)
-        self.stream = _C.CudaStream(self.index)
-        self.watchdog = _Watchdog(self)
+        try:
+            self.stream = _C.CudaStream(self.index)
+            self.watchdog = _Watchdog(self)
+        except BaseException:
+            self.nccl.abort()      # a half-built engine leaves no communicator behind
+            raise
 
     def torch_stream(self) -> int:
         return self.backend.stream()
@@ -163,14 +184,24 @@ class NcclEngine:
         work torch's current stream has queued so far."""
         self.raise_if_failed()
         if not self.nccl.alive:
-            raise CollectiveMismatchError(f"the NCCL communicator is {self.nccl.state}")
+            raise self.control.lost(f"{what} cannot run: the NCCL communicator is "
+                                    f"{self.nccl.state} after an earlier failure")
         ready = _C.CudaEvent(self.index)
         ready.record(self.torch_stream())
         ready.wait(self.stream)
-        launch(self.stream)
+        entry = self.watchdog.watch(what)
+        try:
+            launch(self.stream)
+        except (ValueError, TypeError, BufferError):
+            self.watchdog.forget(entry)          # refused before NCCL ran: nothing changed
+            raise
+        except RuntimeError as error:
+            self.watchdog.forget(entry)
+            self.watchdog.fail(f"{what} failed in NCCL ({error})")
+            self.raise_if_failed()
         done = _C.CudaEvent(self.index)
         done.record(self.stream)
-        self.watchdog.watch(done, what)
+        entry[0] = done
         work = _NativeWork(self, done)
         if async_op:
             return work
@@ -205,6 +236,13 @@ class NcclEngine:
         while self.watchdog.busy() and self.watchdog.error is None:
             time.sleep(_Watchdog.POLL_S)
         self.watchdog.stop()
-        if self.nccl.alive:
-            self.nccl.destroy()
-        self.stream.close()
+        try:
+            if self.nccl.alive:
+                self.nccl.destroy()
+        except RuntimeError as error:
+            # an asynchronous error left it unusable: abort frees it instead
+            self.nccl.abort()
+            raise self.control.lost(f"destroying the NCCL communicator failed ({error}); it "
+                                    f"was aborted instead") from error
+        finally:
+            self.stream.close()
