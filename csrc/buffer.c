@@ -185,13 +185,6 @@ static int Buffer_traverse(rlhfz_Buffer *self, visitproc visit, void *arg)
 static PyObject *Buffer_view(rlhfz_Buffer *self, PyObject *const *args, Py_ssize_t nargs,
                              PyObject *kwnames);
 
-int rlhfz_buffer_intact(const rlhfz_Buffer *buffer)
-{
-    if (buffer->tier != RLHFZ_TIER_DISK)
-        return 0;
-    return rlhfz_disk_check(buffer->fd, buffer->mapped, buffer->path);
-}
-
 static PyObject *Buffer_zero_(rlhfz_Buffer *self, PyObject *unused)
 {
     if (rlhfz_buffer_intact(self) < 0)

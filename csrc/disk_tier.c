@@ -165,3 +165,10 @@ int rlhfz_disk_check(int fd, size_t nbytes, const char *path)
     }
     return 0;
 }
+
+int rlhfz_buffer_intact(const rlhfz_Buffer *buffer)
+{
+    if (buffer->tier != RLHFZ_TIER_DISK)
+        return 0;
+    return rlhfz_disk_check(buffer->fd, buffer->mapped, buffer->path);
+}

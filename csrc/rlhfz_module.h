@@ -97,7 +97,7 @@ void rlhfz_disk_free(void *data, size_t nbytes, int fd, char *path);
 /* 0 if the file still holds nbytes (OSError and -1 if not: reading the
  * mapping past a shortened file's end would kill the process) */
 int rlhfz_disk_check(int fd, size_t nbytes, const char *path);
-/* the same for any buffer: 0 unless it is a disk buffer whose file was shortened */
+/* the same for any buffer (disk_tier.c): 0 unless a disk buffer's file was shortened */
 int rlhfz_buffer_intact(const rlhfz_Buffer *buffer);
 int rlhfz_disk_release_pages(void *data, size_t nbytes);
 
