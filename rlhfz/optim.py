@@ -503,6 +503,8 @@ class ZeroAdamW(Optimizer):
         rlhfz keeps them (sharded stages leave param.grad empty): call it
         instead before clipping. A collective across ranks."""
         from torch.amp.grad_scaler import OptState
+        if not grad_scaler.is_enabled():
+            return           # as grad_scaler.unscale_ does: GradScaler(enabled=use_amp)
         record = grad_scaler._per_optimizer_states[id(self)]
         if record["stage"] is not OptState.READY:
             raise RuntimeError("unscale_() has already been called on this optimizer since "
@@ -519,6 +521,12 @@ class ZeroAdamW(Optimizer):
         unscaled = record["stage"].name == "UNSCALED"
         if reached is None:
             reached = unscaled and bool(record["found_inf_per_device"])
+            if self.comm is not None:
+                # a rank without grads (under no_sync) was reached by nothing,
+                # but the mean it steps on is made of the others' unscaled ones
+                flag = torch.tensor([int(reached)], dtype=torch.uint8)
+                self.comm.all_reduce_max_control(flag, "ZeroAdamW.step")
+                reached = bool(flag.item())
         if unscaled and not reached and self.reducer is not None and self.engine.clipped:
             raise RuntimeError(
                 "grad_scaler.unscale_(optimizer) reached no grads: at stage "

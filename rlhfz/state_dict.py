@@ -250,21 +250,18 @@ def load_checked(engine, param_groups, state_dict, index_to_param, options=None)
     if stale:
         warn_user(
             f"rlhfz: the state dict's master_param of {len(stale)} param(s) (e.g. one of "
-            f"shape {stale[0]}) does not round to the param as it is now, or is not fp32 "
-            f"(torch.optim.AdamW casts it to the param's dtype and never updates it): the "
-            f"fp32 master weights start again from the params")
+            f"shape {stale[0]}) is not fp32 (torch.optim.AdamW casts it to the param's dtype "
+            f"and never updates it): the fp32 master weights start again from the params")
 
 
 def _master_for(bucket, index: int, master, stale: list) -> torch.Tensor:
     """This rank's part of a 16-bit param's fp32 master: the saved one when
-    it is fp32 and rounds to the param (as the optimizer that saved it left
-    them), else the param's own values: after a round trip through torch's
-    AdamW, which trains the param and leaves the saved master behind, the
-    params are what training reached."""
-    param = bucket.param_shard_part(index)
+    it is fp32, else the param's own values. torch's AdamW casts the master
+    it does not know to the param's dtype on load and never updates it, so
+    after a round trip through it the params are what training reached.
+    (Params loaded later are taken in by the step, element by element.)"""
     if master is not None:
-        part = bucket.local_part(index, master).reshape(-1)
-        if part.dtype == torch.float32 and torch.equal(part.to(param.dtype), param):
-            return part
+        if master.dtype == torch.float32:
+            return bucket.local_part(index, master).reshape(-1)
         stale.append(tuple(bucket.params[index].shape))
-    return param.float()
+    return bucket.param_shard_part(index).float()

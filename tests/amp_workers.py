@@ -81,3 +81,38 @@ def clip_after_an_unscale_that_reached_nothing(rank, world_size, stage):
     after = {n: t.clone() for n, t in rlhfz.iter_full_params(m)}
     return {"error": error, "unchanged": all(torch.equal(before[n], after[n]) for n in before),
             "state": len(opt.state)}
+
+
+def disabled_scaler(rank, world_size, stage):
+    """GradScaler(enabled=use_amp) with use_amp False: opt.unscale_ does
+    nothing, as scaler.unscale_ does, and training goes on as without it."""
+    m = model()
+    opt = rlhfz.ZeroAdamW(m, lr=1e-2, stage=stage)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    scaler.scale(m(torch.randn(8, 16)).pow(2).mean()).backward()
+    opt.unscale_(scaler)
+    opt.clip_grad_norm_(0.5)
+    scaler.step(opt)
+    scaler.update()
+    return len(opt.state)
+
+
+def a_rank_without_grads(rank, world_size):
+    """Stage 1 under no_sync: rank 1 had no batch, so scaler.unscale_
+    reached no grads there. Every rank decides alike that the grads were
+    unscaled: the mean is not divided by the scale a second time."""
+    warnings.simplefilter("ignore", FutureWarning)
+    m = model()
+    opt = rlhfz.ZeroAdamW(m, lr=1e-2, stage=1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    with opt.no_sync():
+        if rank == 0:
+            scaler.scale(m(x).pow(2).mean()).backward()
+        else:
+            scaler.scale(torch.zeros(()))
+    scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+    return {name: state["exp_avg"].clone() for name, state in
+            zip(range(len(opt.state)), opt.state_dict()["state"].values())}

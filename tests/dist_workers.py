@@ -764,3 +764,50 @@ def stage1_torch_clip_and_no_sync(rank, world_size, accumulate_in_no_sync):
     return {"norms": norms,
             "params": max(float((a - b).abs().max())
                           for a, b in zip(model.parameters(), plain.parameters()))}
+
+
+class _FailsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("failed in backward")
+
+
+def stage1_after_a_failed_backward(rank, world_size):
+    """A backward that raises after some grads arrived (an OOM caught, say)
+    runs none of its end-of-backward callbacks; the next backward still
+    averages p.grad across ranks when it ends."""
+    model = make_model()
+    opt = rlhfz.ZeroAdamW(model.parameters(), lr=1e-2, stage=1)
+    x = torch.randn(4, 37, generator=torch.Generator().manual_seed(rank))
+    try:
+        model[4](model[3](model[2](_FailsInBackward.apply(model[0](x))))).sum().backward()
+    except RuntimeError:
+        pass
+    opt.zero_grad()
+    model(x).sum().backward()
+    grad = model[4].weight.grad.clone()
+    everyone = [torch.empty_like(grad) for _ in range(world_size)]
+    dist.all_gather(everyone, grad)
+    opt.close()
+    return max(float((g - everyone[0]).abs().max()) for g in everyone)
+
+
+def two_stage1_optimizers_in_one_backward(rank, world_size):
+    """Two optimizers' grads arrive in a rank-dependent order: each rank
+    averages them in the order the optimizers were made, as two DDP modules
+    would agree."""
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    opts = [rlhfz.ZeroAdamW(m.parameters(), lr=1e-2, stage=1) for m in (first, second)]
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))
+    ys = [first(x), second(x)] if rank == 0 else [second(x), first(x)][::-1]
+    (ys[0].sum() * (rank + 1) + ys[1].sum()).backward()
+    grads = [p.grad.clone() for m in (first, second) for p in m.parameters()]
+    for opt in opts:
+        opt.step()
+        opt.close()
+    return grads

@@ -48,3 +48,20 @@ def test_a_clip_after_the_scalers_unscale_of_sharded_grads_is_refused(stage):
     for out in run_ranks(workers.clip_after_an_unscale_that_reached_nothing, 2, stage):
         assert out["error"] is not None and "optimizer.unscale_(grad_scaler)" in out["error"]
         assert out["unchanged"] and out["state"] == 0
+
+
+@pytest.mark.parametrize("stage, world_size", [(0, 1), (2, 2)])
+def test_a_disabled_scaler_unscales_nothing(stage, world_size):
+    assert run_ranks(workers.disabled_scaler, world_size, stage) == [4] * world_size
+
+
+def test_a_rank_the_scaler_reached_no_grads_on_does_not_unscale_again():
+    m = workers.model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    m(x).pow(2).mean().backward()
+    # the mean over two ranks, one with no grads; AdamW's first exp_avg is 0.1 of it
+    expected = [0.1 * p.grad / 2 for p in m.parameters()]
+    for out in run_ranks(workers.a_rank_without_grads, 2):
+        for got, want in zip(out.values(), expected):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-8)

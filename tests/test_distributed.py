@@ -431,6 +431,17 @@ def test_stage1_grads_are_the_mean_when_backward_ends(world_size, no_sync):
         assert result["params"] < 5e-5, result       # an lr of 1e-2, three steps
 
 
+def test_stage1_averages_after_a_backward_that_failed():
+    assert run_ranks(workers.stage1_after_a_failed_backward, 2) == [0.0, 0.0]
+
+
+def test_two_stage1_optimizers_average_whatever_order_grads_arrive_in(monkeypatch):
+    monkeypatch.setenv("RLHFZ_COLLECTIVE_TIMEOUT", "30")
+    results = run_ranks(workers.two_stage1_optimizers_in_one_backward, 2)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
 def test_a_backward_while_grads_are_offloaded_says_to_reload():
     for refused in run_ranks(workers.backward_while_grads_offloaded, 2, 2):
         assert refused is not None and "call reload()" in refused

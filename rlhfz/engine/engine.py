@@ -10,7 +10,9 @@ migration and checkpoints use the public methods below.
 """
 from __future__ import annotations
 
+import itertools
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -97,7 +99,7 @@ class ShardEngine:
         # does (so p.grad holds the mean for whatever reads it before the
         # step); inside no_sync() that waits for a later backward or the step.
         self.average_after_backward = True
-        self._average_queued = False
+        self.serial = next(_SERIALS)     # engines made earlier average first
         self._stale: set[int] = set()    # id(bucket): stage 1's next average includes it
         # The sum of squares of the grads as the next step reads them (clip
         # included), over all ranks, from the last check; None: not known.
@@ -285,19 +287,13 @@ class ShardEngine:
         return plans
 
     def _grad_arrived(self, bucket: Bucket, index: int, param: torch.Tensor) -> None:
-        """Stage 1 across ranks: the grad goes into its bucket, and the first
-        of a backward queues the average for when the backward ends."""
+        """Stage 1 across ranks: the grad goes into its bucket, and the
+        engine's grads are averaged when the backward ends."""
         _keep_grad_in_bucket(bucket, index, param)
-        if self._average_queued or not self.average_after_backward:
-            return
-        try:
-            torch.autograd.Variable._execution_engine.queue_callback(self._average_grads)
-        except RuntimeError:
-            return       # not inside backward (a grad set by hand): the step averages
-        self._average_queued = True
+        if self.average_after_backward:
+            _AVERAGES.add(self)
 
-    def _average_grads(self) -> None:
-        self._average_queued = False
+    def average_grads(self) -> None:
         presence = self._agree_presence([bucket.collect_grads() for bucket in self.buckets],
                                         "backward")
         self._reduce_grads(presence)
@@ -592,6 +588,44 @@ class ShardEngine:
         """No collective may still read or write grads after this."""
         if self.reducer is not None:
             self.reducer.flush()
+
+
+_SERIALS = itertools.count()
+
+
+class _BackwardAverages:
+    """The stage-1 engines that got grads in each running backward (by
+    autograd's graph task), averaged together when it ends: in the order
+    the engines were made, so that every rank meets each engine's process
+    group in the same order, whatever order its grads arrived in. A
+    backward that fails runs no callback and leaves its small entry (weak
+    references); the next backward is a new task. A reentrant backward
+    (activation checkpointing with use_reentrant=True) is a task of its
+    own, averaged when it ends: once per checkpointed segment."""
+
+    def __init__(self):
+        self.pending: dict[int, dict[int, weakref.ref]] = {}
+
+    def add(self, engine) -> None:
+        task = torch._C._current_graph_task_id()
+        if task < 0:
+            return       # not inside backward (a grad set by hand): the step averages
+        engines = self.pending.get(task)
+        if engines is None:
+            engines = self.pending[task] = {}
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: self._run(task))
+        engines.setdefault(engine.serial, weakref.ref(engine))
+
+    def _run(self, task: int) -> None:
+        engines = self.pending.pop(task, {})
+        for serial in sorted(engines):
+            engine = engines[serial]()
+            if engine is not None:
+                engine.average_grads()
+
+
+_AVERAGES = _BackwardAverages()
 
 
 def _keep_grad_in_bucket(bucket: Bucket, index: int, param: torch.Tensor) -> None:
