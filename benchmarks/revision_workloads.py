@@ -117,6 +117,11 @@ def _ranks(stage, mode, iterations):
             return json.load(f)
 
 
+def stage1_iteration(iterations):
+    """Stage 1, 2 ranks: the grads averaged when backward ends."""
+    return _ranks(1, "train", iterations)
+
+
 def stage2_iteration(iterations):
     return _ranks(2, "train", iterations)
 
@@ -130,8 +135,8 @@ def generation(iterations):
     return _ranks(3, "generate", iterations)
 
 
-WORKLOADS = {f.__name__: f for f in (cpu_step, stage2_iteration, stage3_iteration, generation,
-                                     offload_reload)}
+WORKLOADS = {f.__name__: f for f in (cpu_step, stage1_iteration, stage2_iteration,
+                                     stage3_iteration, generation, offload_reload)}
 
 if __name__ == "__main__":
     name, iterations = sys.argv[1], int(sys.argv[2])

@@ -23,7 +23,8 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-WORKLOADS = ("cpu_step", "stage2_iteration", "stage3_iteration", "generation", "offload_reload")
+WORKLOADS = ("cpu_step", "stage1_iteration", "stage2_iteration", "stage3_iteration",
+             "generation", "offload_reload")
 
 
 def export(rev: str | None, into: str) -> str:
