@@ -62,12 +62,15 @@ def _cmd_estimate(args) -> int:
     if args.world_size > 1 and args.stage == 0:
         return _usage_error("estimate", f"stage 0 does not shard, so it has no use for "
                                         f"{args.world_size} ranks: pick stage 1, 2 or 3")
+    if args.largest_unit is not None and args.stage != 3:
+        return _usage_error("estimate", "--largest-unit is the params of the largest stage-3 "
+                                        "unit: it needs --stage 3")
     try:
         result = estimate_bytes(args.params, world_size=args.world_size, stage=args.stage,
                                 param_dtype=args.dtype, offload=args.offload,
                                 offload_ratio=1.0 if args.offload_ratio is None
                                 else args.offload_ratio, bucket_bytes=args.bucket_bytes,
-                                state_dtype=args.state_dtype)
+                                state_dtype=args.state_dtype, largest_unit=args.largest_unit)
     except ValueError as error:
         return _usage_error("estimate", str(error))
     print(format_estimate(result, args))
@@ -160,8 +163,12 @@ def main(argv=None) -> int:
                           help="share of the optimizer state on the host (with --offload "
                                "cpu; default 1.0)")
     estimate.add_argument("--bucket-bytes", type=_positive_int, default=None,
-                          help="ZeroAdamW's bucket_bytes (stage 2: the bucket and staging "
-                               "cap; default 32 MiB, at most an eighth of the model)")
+                          help="ZeroAdamW's bucket_bytes (stages 2 and 3: the bucket and "
+                               "staging cap; default 32 MiB, at most an eighth of the model)")
+    estimate.add_argument("--largest-unit", type=_parse_count, default=None,
+                          help="stage 3: params of the largest unit (a transformer block, or "
+                               "the embedding and head); each grads staging slot is at most "
+                               "that, so without it the grads figure is an upper bound")
     estimate.set_defaults(func=_cmd_estimate)
 
     consolidate = sub.add_parser(

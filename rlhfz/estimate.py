@@ -6,8 +6,13 @@ state dtype: fp32 (4 bytes each), bf16 (2) or int8 (1, plus a 4-byte scale
 per block of 256, counted with its moment; params under min_8bit_size
 elements keep fp32 moments, left out here).
 Stage 2 and 3 grads across ranks are the shard plus the reducer's staging:
-two slots of the bucket cap (one param group assumed; a param above the cap
-goes through the slots in pieces). offload="cpu" keeps the host part's
+two slots, each the largest bucket or the bucket cap, whichever is smaller
+(one param group assumed; a param above the cap goes through the slots in
+pieces). At stage 2 buckets are cut at the cap; at stage 3 a bucket is a
+whole unit (a transformer block, say), so a slot is the largest unit's
+bytes when that is below the cap: given largest_unit (its params) the
+figure follows it, else the model stands in for the largest unit and the
+grads figure is an upper bound. offload="cpu" keeps the host part's
 master and moments on the host, with a host copy of its grads and params
 (in the param dtype) that the CPU step reads and writes; fp32 params keep a
 master for the host part only. Padding (at most one alignment unit per
@@ -26,8 +31,10 @@ _MOMENT_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / QBLOCK}
 def estimate_bytes(params: int, world_size: int = 1, stage: int = 2,
                    param_dtype: str = "bfloat16", offload: str | None = None,
                    offload_ratio: float = 1.0, bucket_bytes: int | None = None,
-                   state_dtype: str = "fp32") -> dict[str, dict[str, int]]:
-    """{kind: {tier: bytes}} on one rank; tiers 'device' and 'host'."""
+                   state_dtype: str = "fp32",
+                   largest_unit: int | None = None) -> dict[str, dict[str, int]]:
+    """{kind: {tier: bytes}} on one rank; tiers 'device' and 'host'.
+    largest_unit: the params of the largest stage-3 unit, where known."""
     if params < 0 or world_size < 1 or stage not in (0, 1, 2, 3):
         raise ValueError("params >= 0, world_size >= 1 and stage in 0..3 are required")
     if param_dtype not in _ITEMSIZE:
@@ -38,13 +45,18 @@ def estimate_bytes(params: int, world_size: int = 1, stage: int = 2,
         raise ValueError("offload_ratio must be in [0, 1]")
     if bucket_bytes is not None and bucket_bytes < MIN_BUCKET_BYTES:
         raise ValueError(f"bucket_bytes must be at least {MIN_BUCKET_BYTES}")
+    if largest_unit is not None and not 1 <= largest_unit <= max(params, 1):
+        raise ValueError(f"largest_unit ({largest_unit:,} params) must be between 1 and the "
+                         f"model's {params:,}")
     itemsize = _ITEMSIZE[param_dtype]
     per_rank = -(-params // world_size)
     shard = params if stage == 0 else per_rank
     on_host = int(round(shard * offload_ratio)) if offload == "cpu" else 0
     grads = params * itemsize if stage < 2 else per_rank * itemsize
     if stage >= 2 and world_size > 1:
-        bucket = min(stage2_bucket_bytes(params * itemsize, bucket_bytes), params * itemsize)
+        # the largest bucket: at most the model; at stage 3 a whole unit
+        largest = (largest_unit if stage == 3 and largest_unit is not None else params)
+        bucket = min(stage2_bucket_bytes(params * itemsize, bucket_bytes), largest * itemsize)
         grads += 2 * bucket
     moment = _MOMENT_BYTES[state_dtype]
     report = {
@@ -75,4 +87,9 @@ def format_estimate(report: dict[str, dict[str, int]], args) -> str:
             totals[tier] += tiers[tier]
     lines.append(f"  {'total':<11} device {totals['device'] / gib:9.3f} GiB   "
                  f"host {totals['host'] / gib:9.3f} GiB")
+    if args.stage == 3 and args.world_size > 1 and args.largest_unit is None:
+        lines.append("  grads is an upper bound: it counts two staging slots of the bucket "
+                     "cap (at most the model), and stage 3 makes each slot only as large as "
+                     "its largest unit (a block, the embedding) where that is smaller; "
+                     "--largest-unit counts that")
     return "\n".join(lines)

@@ -411,25 +411,29 @@ def accumulate_across_steps(rank, world_size, stage):
             "grads_after_first": grads_after_first}
 
 
-def report_against_estimate(rank, world_size, stage, dtype=torch.float32, ratio=None):
+def report_against_estimate(rank, world_size, stage, dtype=torch.float32, ratio=None,
+                            bucket_bytes=4096):
     """memory_report() after a step, beside estimate_bytes for the same
-    setup (ratio: offload="cpu" with that offload_ratio)."""
+    setup (ratio: offload="cpu" with that offload_ratio). The default cap
+    is below every bucket, so staging is two caps; at stage 3 the estimate
+    is given the largest unit, which a cap above it stages whole."""
     from rlhfz.estimate import estimate_bytes
     model = make_model().to(dtype)
     numel = sum(p.numel() for p in model.parameters())     # before stage 3 shards them
     offload = {} if ratio is None else {"offload": "cpu", "offload_ratio": ratio}
-    # a cap below every bucket, so staging is two caps (the estimate cannot
-    # know a smaller model's largest bucket)
     opt = rlhfz.ZeroAdamW(model if stage == 3 else model.parameters(), stage=stage,
-                          param_persistence_threshold=0, bucket_bytes=4096, **offload)
+                          param_persistence_threshold=0, bucket_bytes=bucket_bytes, **offload)
+    largest = (max(sum(b.layout.numel for b in buckets) for _, buckets in opt.stage3.units)
+               if stage == 3 else None)
     x, y = batches(1)[0]
     torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y).backward()
     opt.step()
     report = opt.memory_report()
     opt.close()
     return report, estimate_bytes(numel, world_size, stage, str(dtype).split(".")[1],
-                                  offload=offload.get("offload"), bucket_bytes=4096,
-                                  offload_ratio=1.0 if ratio is None else ratio)
+                                  offload=offload.get("offload"), bucket_bytes=bucket_bytes,
+                                  offload_ratio=1.0 if ratio is None else ratio,
+                                  largest_unit=largest)
 
 
 class Branchy(torch.nn.Module):

@@ -272,17 +272,19 @@ def test_grads_accumulate_across_steps_without_zero_grad(stage):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("stage, dtype, ratio", [
-    (1, torch.float32, None), (2, torch.float32, None), (3, torch.float32, None),
-    (1, torch.bfloat16, 0.5), (2, torch.float32, 0.5), (3, torch.bfloat16, 1.0),
-    (3, torch.float32, 0.3),
+@pytest.mark.parametrize("stage, dtype, ratio, bucket_bytes", [
+    (1, torch.float32, None, 4096), (2, torch.float32, None, 4096),
+    (3, torch.float32, None, 4096), (1, torch.bfloat16, 0.5, 4096),
+    (2, torch.float32, 0.5, 4096), (3, torch.bfloat16, 1.0, 4096),
+    (3, torch.float32, 0.3, 4096), (3, torch.float32, None, 64 << 20),
 ])
-def test_memory_report_matches_the_estimate(stage, dtype, ratio):
+def test_memory_report_matches_the_estimate(stage, dtype, ratio, bucket_bytes):
     """`python -m rlhfz estimate` predicts what a rank really holds, the
     reducer's staging and offload's host copies included, up to alignment
     padding (on the CPU every tier is host memory, so kinds are compared
-    whole)."""
-    for report, estimate in run_ranks(workers.report_against_estimate, 2, stage, dtype, ratio):
+    whole). A stage-3 cap above every unit stages the largest unit."""
+    for report, estimate in run_ranks(workers.report_against_estimate, 2, stage, dtype, ratio,
+                                      bucket_bytes):
         for kind in report:
             got = sum(report[kind].values())
             expected = sum(estimate[kind].values())

@@ -367,6 +367,32 @@ def test_cli_estimate_follows_bucket_bytes():
         assert grads == 16 * shard + 2 * cap
 
 
+def test_estimate_stage3_stages_no_more_than_the_largest_unit():
+    """Stage 3 keeps a unit's grads whole: each of the two staging slots is
+    the largest unit where that is below the cap. Without the unit the
+    figure counts the cap and says it is an upper bound."""
+    import subprocess
+    import sys
+    from rlhfz.estimate import estimate_bytes
+    params, unit, cap = 1_000_000, 50_000, 64 << 20
+    grads = estimate_bytes(params, world_size=2, stage=3, param_dtype="float32",
+                           bucket_bytes=cap, largest_unit=unit)["grads"]["device"]
+    assert grads == params * 4 // 2 + 2 * unit * 4
+    small_cap = estimate_bytes(params, world_size=2, stage=3, param_dtype="float32",
+                               bucket_bytes=8192, largest_unit=unit)["grads"]["device"]
+    assert small_cap == params * 4 // 2 + 2 * 8192
+    command = [sys.executable, "-m", "rlhfz", "estimate", "--params", "1M", "--world-size", "2",
+               "--stage", "3", "--bucket-bytes", str(cap)]
+    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    assert "grads is an upper bound" in out and "--largest-unit" in out
+    out = subprocess.run(command + ["--largest-unit", "50K"], check=True, capture_output=True,
+                         text=True).stdout
+    assert "upper bound" not in out
+    refused = subprocess.run(command[:-4] + ["--largest-unit", "50K"], capture_output=True,
+                             text=True)
+    assert refused.returncode == 2 and "needs --stage 3" in refused.stderr
+
+
 def test_cli_info_names_torch():
     import json
     import subprocess
