@@ -184,6 +184,12 @@ def main(argv=None) -> int:
     info.set_defaults(func=_cmd_info)
 
     args = parser.parse_args(argv)
+    if args.command in ("demo", "bench", "estimate"):       # the commands that build buckets
+        from rlhfz.engine.layout import env_bucket_bytes
+        try:
+            env_bucket_bytes()
+        except ValueError as error:
+            return _usage_error(args.command, str(error))
     return args.func(args)
 
 

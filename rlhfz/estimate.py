@@ -20,7 +20,7 @@ bucket) is left out.
 """
 from __future__ import annotations
 
-from .engine.layout import MIN_BUCKET_BYTES, stage2_bucket_bytes
+from .engine.layout import MIN_BUCKET_BYTES, env_bucket_bytes, stage2_bucket_bytes
 from .engine.moments import QBLOCK
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -34,7 +34,8 @@ def estimate_bytes(params: int, world_size: int = 1, stage: int = 2,
                    state_dtype: str = "fp32",
                    largest_unit: int | None = None) -> dict[str, dict[str, int]]:
     """{kind: {tier: bytes}} on one rank; tiers 'device' and 'host'.
-    largest_unit: the params of the largest stage-3 unit, where known."""
+    largest_unit: the params of the largest stage-3 unit, where known;
+    bucket_bytes None: RLHFZ_BUCKET_BYTES where set, as ZeroAdamW reads it."""
     if params < 0 or world_size < 1 or stage not in (0, 1, 2, 3):
         raise ValueError("params >= 0, world_size >= 1 and stage in 0..3 are required")
     if param_dtype not in _ITEMSIZE:
@@ -45,6 +46,8 @@ def estimate_bytes(params: int, world_size: int = 1, stage: int = 2,
         raise ValueError("offload_ratio must be in [0, 1]")
     if bucket_bytes is not None and bucket_bytes < MIN_BUCKET_BYTES:
         raise ValueError(f"bucket_bytes must be at least {MIN_BUCKET_BYTES}")
+    if bucket_bytes is None:
+        bucket_bytes = env_bucket_bytes()       # as ZeroAdamW reads it
     if largest_unit is not None and not 1 <= largest_unit <= max(params, 1):
         raise ValueError(f"largest_unit ({largest_unit:,} params) must be between 1 and the "
                          f"model's {params:,}")

@@ -393,6 +393,21 @@ def test_estimate_stage3_stages_no_more_than_the_largest_unit():
     assert refused.returncode == 2 and "needs --stage 3" in refused.stderr
 
 
+@pytest.mark.parametrize("command", [["estimate", "--params", "1M", "--world-size", "2"],
+                                     ["estimate", "--params", "1M"],
+                                     ["bench", "--params", "1K"],
+                                     ["demo", "--world-size", "1", "--steps", "2"]])
+def test_cli_refuses_a_bucket_size_from_the_environment_below_a_page(monkeypatch, capsys,
+                                                                     command):
+    from rlhfz.__main__ import main
+    monkeypatch.setenv("RLHFZ_BUCKET_BYTES", "-100000000")
+    assert main(command) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert f"python -m rlhfz {command[0]}: error: RLHFZ_BUCKET_BYTES='-100000000'" \
+        in captured.err and "at least 4096" in captured.err, captured.err
+
+
 def test_cli_info_names_torch():
     import json
     import subprocess

@@ -28,9 +28,27 @@ def stage2_bucket_bytes(group_bytes: int, bucket_bytes: int | None = None) -> in
     that small models save memory too."""
     if bucket_bytes is not None:
         return bucket_bytes
-    if "RLHFZ_BUCKET_BYTES" in os.environ:
-        return int(os.environ["RLHFZ_BUCKET_BYTES"])
+    from_env = env_bucket_bytes()
+    if from_env is not None:
+        return from_env
     return min(32 << 20, max(group_bytes // 8, 64 << 10))
+
+
+def env_bucket_bytes() -> int | None:
+    """RLHFZ_BUCKET_BYTES as a number of bytes, None when it is not set; a
+    ValueError naming the variable unless it is a whole number of at least
+    MIN_BUCKET_BYTES, as bucket_bytes= must be."""
+    text = os.environ.get("RLHFZ_BUCKET_BYTES")
+    if text is None:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < MIN_BUCKET_BYTES:
+        raise ValueError(f"RLHFZ_BUCKET_BYTES={text!r}: the bucket size must be a whole number "
+                         f"of bytes, at least {MIN_BUCKET_BYTES}")
+    return value
 
 
 def split_by_bytes(items: list, size_of, cap: int) -> list[list]:
