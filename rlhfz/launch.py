@@ -147,8 +147,15 @@ def run_ranks(worker, world_size, *args, timeout=180):
     missing = [r for r in range(world_size) if r not in outcomes]
     errors = {r: v for r, (s, v) in outcomes.items() if s == "error"}
     if missing or errors:
-        details = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
-        raise RuntimeError(f"world {world_size}: ranks {missing} gave no result within "
-                             f"{timeout} s; failures:\n{details}")
+        # say what happened: a rank raised, its process ended without a
+        # result, or it was still running at the timeout
+        ended = [r for r in missing if r in ended_at]
+        late = [r for r in missing if r not in ended_at]
+        what = ([f"ranks {sorted(errors)} raised"] if errors else []) + (
+            [f"ranks {ended} gave no result: their processes ended (exit codes "
+             f"{[procs[r].exitcode for r in ended]})"] if ended else []) + (
+            [f"ranks {late} gave no result within {timeout} s"] if late else [])
+        details = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+        raise RuntimeError(f"world {world_size}: " + "; ".join(what) + details)
     import torch
     return [torch.load(io.BytesIO(outcomes[r][1]), weights_only=False) for r in range(world_size)]

@@ -104,6 +104,21 @@ def test_a_rank_that_never_arrives_fails_within_the_timeout():
     assert "not every rank of the 2 did within 5 s" in messages[0]
 
 
+def test_run_ranks_says_what_happened_to_the_ranks():
+    """Ranks that raised are not said to be late, and a rank whose process
+    ended without a result is named with its exit code."""
+    with pytest.raises(RuntimeError) as raised:
+        run_ranks(workers.raise_or_exit, 2, {}, timeout=120)
+    message = str(raised.value)
+    assert message.startswith("world 2: ranks [0, 1] raised\n"), message
+    assert "within" not in message and "rank 1 refuses" in message
+    with pytest.raises(RuntimeError) as raised:      # one rank: no peer to fail beside it
+        run_ranks(workers.raise_or_exit, 1, {0: 3}, timeout=120)
+    message = str(raised.value)
+    assert message == ("world 1: ranks [0] gave no result: their processes ended "
+                       "(exit codes [3])"), message
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_every_rank_starts_from_the_first_ranks_values(stage):
     results = run_ranks(workers.start_from_first_rank, 3, stage)
