@@ -13,13 +13,12 @@ def _cmd_info(args) -> int:
 
 
 def _cmd_demo(args) -> int:
-    import os
-
     from rlhfz import demo
-    world_size = int(os.environ.get("WORLD_SIZE", args.world_size))   # torchrun's, if any
-    if args.batch_size % world_size:
-        return _usage_error("demo", f"--batch-size {args.batch_size} does not divide over "
-                                    f"{world_size} ranks: pick a multiple of {world_size}")
+    try:
+        demo.check_run(args.steps, args.batch_size, demo.run_world_size(args.world_size),
+                       args.stage)
+    except ValueError as error:
+        return _usage_error("demo", str(error))
     demo.run(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
              world_size=args.world_size, stage=args.stage)
     return 0

@@ -172,6 +172,35 @@ def launched_by_torchrun() -> bool:
                                                "MASTER_PORT"))
 
 
+def run_world_size(world_size: int) -> int:
+    """The ranks a run has: in a process torchrun started, its WORLD_SIZE
+    (the launcher's wins), else world_size."""
+    if not launched_by_torchrun():
+        return world_size
+    text = os.environ["WORLD_SIZE"]
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"WORLD_SIZE={text!r} (set by the launcher) must be a whole number of "
+                         f"ranks, at least 1")
+    return value
+
+
+def check_run(steps: int, batch_size: int, world_size: int, stage: int) -> None:
+    """A ValueError, before anything trains, for a run the demo cannot make."""
+    if steps < 2:
+        raise ValueError(f"{steps} steps are too few: the demo needs at least 2 steps, as it "
+                         f"checks that the loss fell after the first")
+    if stage == 0 and world_size > 1:
+        raise ValueError(f"stage 0 does not shard, so it has no use for {world_size} ranks: "
+                         f"pick stage 1 or 2, or one rank")
+    if batch_size % world_size:
+        raise ValueError(f"batch size {batch_size} does not divide over {world_size} ranks: "
+                         f"pick a multiple of {world_size}")
+
+
 def _ranks_under_torchrun(steps, batch_size, lr, seed, stage):
     """This process is one rank of a torchrun job (any number of nodes):
     train, then gather every rank's result to all."""
@@ -199,10 +228,8 @@ def run(steps: int = 300, batch_size: int = 16, lr: float = 3e-3, seed: int = 0,
     import rlhfz
 
     torchrun = launched_by_torchrun()
-    if torchrun:
-        world_size = int(os.environ["WORLD_SIZE"])
-    if batch_size % world_size:
-        raise ValueError(f"batch size {batch_size} does not divide over {world_size} ranks")
+    world_size = run_world_size(world_size)
+    check_run(steps, batch_size, world_size, stage)
     if world_size == 1:
         rank, ranks = 0, [_rank_main(0, 1, steps, batch_size, lr, seed, stage)]
     elif torchrun:

@@ -1,4 +1,5 @@
 """The main job (python -m rlhfz demo), shortened: 2 gloo ranks, stage 2."""
+import pytest
 import torch
 
 from rlhfz import demo
@@ -27,3 +28,13 @@ def test_a_short_demo_averages_the_steps_it_took():
     losses = result["losses"]["rlhfz"]
     summary = next(line for line in lines if "mean of the last" in line)
     assert f"-> {sum(losses) / 3:.3f} (mean of the last 3)" in summary, summary
+
+
+@pytest.mark.parametrize("arguments, message", [
+    ({"steps": 1}, "needs at least 2 steps"),
+    ({"stage": 0, "world_size": 2}, "stage 0 does not shard"),
+    ({"batch_size": 5, "world_size": 2}, "does not divide over 2 ranks"),
+])
+def test_a_run_the_demo_cannot_make_is_refused_before_training(arguments, message):
+    with pytest.raises(ValueError, match=message):
+        demo.run(print_fn=None, **arguments)

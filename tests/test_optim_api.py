@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import rlhfz
+from rlhfz import demo
 
 
 def _model(seed=0):
@@ -329,6 +330,8 @@ def test_cli_estimate_refuses_bad_input_with_a_message(arguments, message):
     (["--batch-size", "3", "--world-size", "2"], "does not divide over 2 ranks"),
     (["--lr", "-1"], "--lr: '-1': a finite number above 0"),
     (["--lr", "nan"], "--lr: 'nan': a finite number above 0"),
+    (["--stage", "0"], "stage 0 does not shard, so it has no use for 2 ranks"),
+    (["--steps", "1", "--world-size", "1"], "the demo needs at least 2 steps"),
 ])
 def test_cli_demo_refuses_bad_input_before_training(arguments, message):
     import subprocess
@@ -337,6 +340,39 @@ def test_cli_demo_refuses_bad_input_before_training(arguments, message):
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and run.stdout == ""
     assert message in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+def _no_training(**arguments):
+    raise AssertionError(f"the demo trained: {arguments}")
+
+
+@pytest.mark.parametrize("environment, arguments, message", [
+    ({"WORLD_SIZE": "abc"}, [], "WORLD_SIZE='abc' (set by the launcher) must be a whole number"),
+    ({"WORLD_SIZE": "0"}, [], "WORLD_SIZE='0' (set by the launcher) must be a whole number"),
+    ({"WORLD_SIZE": "4"}, ["--stage", "0"], "no use for 4 ranks"),
+    ({"WORLD_SIZE": "4"}, ["--batch-size", "6"], "does not divide over 4 ranks"),
+])
+def test_cli_demo_takes_the_world_size_of_the_launcher_that_started_it(monkeypatch, capsys,
+                                                                      environment, arguments,
+                                                                      message):
+    from rlhfz.__main__ import main
+    monkeypatch.setattr(demo, "run", _no_training)
+    for name, value in {"RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1",
+                        **environment}.items():
+        monkeypatch.setenv(name, value)
+    assert main(["demo", *arguments]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_demo_leaves_world_size_alone_when_no_launcher_started_it(monkeypatch, capsys):
+    """WORLD_SIZE alone (no torchrun) is not the demo's: --world-size is."""
+    from rlhfz.__main__ import main
+    monkeypatch.setattr(demo, "run", _no_training)
+    for name in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["demo", "--world-size", "3", "--batch-size", "4"]) == 2
+    assert "batch size 4 does not divide over 3 ranks" in capsys.readouterr().err
 
 
 def test_run_ranks_needs_a_rank():
