@@ -24,33 +24,64 @@ def _cmd_demo(args) -> int:
     return 0
 
 
+# what bench holds per param at once: param, grad and two fp32 moments, and
+# the temporary a foreach step makes (measured; one peer at a time)
+BENCH_BYTES_PER_PARAM = 24
+
+
 def _cmd_bench(args) -> int:
     """A quick look at one CPU step; the recorded figures come from benchmarks/."""
-    import time
+    import os
 
     import torch
 
     import rlhfz
 
     n = args.params
-    results = {}
+    needed = BENCH_BYTES_PER_PARAM * n
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    too_much = (f"--params {n:,} needs about {needed:,} bytes ({BENCH_BYTES_PER_PARAM} per "
+                f"param: the param, its grad, two fp32 moments and a step's temporary)")
+    if needed > memory:
+        return _usage_error("bench", f"{too_much}, more than this machine's {memory:,}")
+    # every peer on the same threads, so the rows compare the steps alone
+    threads = rlhfz.get_num_threads()
+    torch.set_num_threads(threads)
+    print(f"one fp32 AdamW step over {n:,} params, each peer on {threads} threads "
+          f"(RLHFZ_NUM_THREADS sets it)")
     for name in ("rlhfz", "torch_foreach", "torch_fused"):
-        p = torch.nn.Parameter(torch.randn(n))
-        if name == "rlhfz":
-            opt = rlhfz.ZeroAdamW([p], lr=1e-3)
-        else:
-            opt = torch.optim.AdamW([p], lr=1e-3, foreach=name == "torch_foreach",
-                                    fused=name == "torch_fused" or None)
-        p.grad = torch.randn(n)
-        opt.step()
-        start = time.perf_counter()
-        for _ in range(args.repeat):
-            opt.step()
-        seconds = (time.perf_counter() - start) / args.repeat
-        results[name] = seconds
+        try:
+            seconds = _time_step(name, n, args.repeat)
+        except (MemoryError, RuntimeError) as error:
+            if not isinstance(error, MemoryError) and "alloc" not in str(error).lower():
+                raise
+            return _usage_error("bench", f"{too_much}; the allocation failed: {error}")
+        own = rlhfz.get_num_threads() if name == "rlhfz" else torch.get_num_threads()
         print(f"{name:<14} {seconds * 1e3:8.2f} ms/step  {28 * n / seconds / 1e9:7.2f} GB/s "
-              f"(28 bytes/param, {n:,} params, {rlhfz.get_num_threads()} threads)")
+              f"(28 bytes/param moved, {own} threads)")
     return 0
+
+
+def _time_step(name: str, n: int, repeat: int) -> float:
+    """Seconds per step of one peer's optimizer on one param of n elements;
+    its memory is gone when this returns."""
+    import time
+
+    import torch
+
+    import rlhfz
+    p = torch.nn.Parameter(torch.randn(n))
+    if name == "rlhfz":
+        opt = rlhfz.ZeroAdamW([p], lr=1e-3)
+    else:
+        opt = torch.optim.AdamW([p], lr=1e-3, foreach=name == "torch_foreach",
+                                fused=name == "torch_fused" or None)
+    p.grad = torch.randn(n)
+    opt.step()
+    start = time.perf_counter()
+    for _ in range(repeat):
+        opt.step()
+    return (time.perf_counter() - start) / repeat
 
 
 def _cmd_estimate(args) -> int:

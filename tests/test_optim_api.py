@@ -444,6 +444,39 @@ def test_cli_refuses_a_bucket_size_from_the_environment_below_a_page(monkeypatch
         in captured.err and "at least 4096" in captured.err, captured.err
 
 
+def test_cli_bench_runs_every_peer_on_the_same_threads_and_says_so(capsys):
+    from rlhfz.__main__ import main
+    before = torch.get_num_threads(), rlhfz.get_num_threads()
+    rlhfz.set_num_threads(1)
+    torch.set_num_threads(2)
+    try:
+        assert main(["bench", "--params", "1K", "--repeat", "1"]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before[0])
+        rlhfz.set_num_threads(before[1])
+    lines = capsys.readouterr().out.splitlines()
+    assert "each peer on 1 threads" in lines[0]
+    rows = [line for line in lines if "ms/step" in line]
+    assert len(rows) == 3 and all(line.endswith(", 1 threads)") for line in rows), lines
+
+
+def test_cli_bench_refuses_more_params_than_memory_with_the_bytes_needed(capsys, monkeypatch):
+    from rlhfz.__main__ import main
+    assert main(["bench", "--params", "1e30"]) == 2
+    err = capsys.readouterr().err
+    assert "python -m rlhfz bench: error: --params" in err and "needs about 24" in err, err
+    assert "more than this machine's" in err
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+                           "4000 bytes")
+    monkeypatch.setattr(torch, "randn", no_memory)
+    assert main(["bench", "--params", "1K"]) == 2
+    err = capsys.readouterr().err
+    assert "--params 1,000 needs about 24,000 bytes" in err and "allocation failed" in err, err
+
+
 def test_cli_info_names_torch():
     import json
     import subprocess
