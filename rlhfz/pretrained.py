@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 
 import torch
 
-from .checkpoint.safetensors_out import SafetensorsWriter, nbytes
+from .checkpoint.safetensors_out import (INDEX_FILE, SINGLE_FILE, SafetensorsWriter,
+                                         drop_stale_weights, nbytes)
 from .engine import split_by_bytes
 from .lora_export import adapter_units, is_peft, merge_plan, merged
 from .model_state import sync_buckets, unwrapped, whole_shape
@@ -24,9 +24,6 @@ from .progress import progress
 from .sharding import mark_filled
 from .state_dict_hooks import gathered_values
 
-_INDEX = "model.safetensors.index.json"
-_SINGLE = "model.safetensors"
-_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
 def save_pretrained(model, path, *, max_shard_size="5GB", adapters="merged") -> None:
@@ -127,7 +124,7 @@ def _stream(record, inner, path: str, limit: int) -> None:
     sizes = [(name, t.dtype, tuple(whole_shape(slots, t))) for _, name, t, _ in entries]
     # transformers' split: files of up to limit bytes, in the order written
     files = split_by_bytes(sizes, lambda spec: nbytes(spec[1], spec[2]), limit)
-    names = ([_SINGLE] if len(files) == 1 else
+    names = ([SINGLE_FILE] if len(files) == 1 else
              [f"model-{k + 1:05d}-of-{len(files):05d}.safetensors" for k in range(len(files))])
     first = record is None or record.comm.leads
     # The first rank's failure to write must not stop it gathering: the
@@ -178,45 +175,34 @@ def _stream(record, inner, path: str, limit: int) -> None:
     if first:
         # an earlier save's files go before the new index: a stale
         # model.safetensors would be read first
-        _drop_stale_weights(path, names)
+        drop_stale_weights(path, names)
         if len(names) > 1:
             weight_map = {name: names[where[name]] for name, _, _ in sizes}
-            staged = os.path.join(path, f".{_INDEX}.tmp")
+            staged = os.path.join(path, f".{INDEX_FILE}.tmp")
             with open(staged, "w") as f:
                 json.dump({"metadata": {"total_size": sum(nbytes(*s[1:]) for s in sizes)},
                            "weight_map": weight_map}, f, indent=2, sort_keys=True)
-            os.replace(staged, os.path.join(path, _INDEX))
+            os.replace(staged, os.path.join(path, INDEX_FILE))
         holder.config.save_pretrained(path)
         generation = getattr(holder, "generation_config", None)
         if generation is not None and getattr(holder, "can_generate", lambda: False)():
             generation.save_pretrained(path)
 
 
-def _drop_stale_weights(path: str, written: list[str]) -> None:
-    """Removes the weight files and index of an earlier save into `path`
-    that this one did not write, as transformers' save_pretrained does: a
-    load must never read them."""
-    keep = set(written) | ({_INDEX} if len(written) > 1 else set())
-    for name in os.listdir(path):
-        stale = name in (_SINGLE, _INDEX) or _SHARD_NAME.fullmatch(name) is not None
-        if stale and name not in keep:
-            os.unlink(os.path.join(path, name))
-
-
 def _files(path: str) -> dict[str, str]:
     """Tensor name -> the safetensors file that holds it: model.safetensors
     when there is one, as transformers reads it, else the index's files."""
-    index = os.path.join(path, _INDEX)
-    if os.path.exists(index) and not os.path.exists(os.path.join(path, _SINGLE)):
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.exists(index) and not os.path.exists(os.path.join(path, SINGLE_FILE)):
         with open(index) as f:
             weight_map = json.load(f).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index} has no weight_map")
         return {name: os.path.join(path, file) for name, file in weight_map.items()}
-    single = os.path.join(path, _SINGLE)
+    single = os.path.join(path, SINGLE_FILE)
     if not os.path.exists(single):
-        raise FileNotFoundError(f"{path}: neither {_INDEX} nor {_SINGLE} (a Hugging Face "
-                                f"safetensors checkpoint) is here")
+        raise FileNotFoundError(f"{path}: neither {INDEX_FILE} nor {SINGLE_FILE} (a Hugging "
+                                f"Face safetensors checkpoint) is here")
     from safetensors import safe_open
     with safe_open(single, framework="pt") as f:
         return {name: single for name in f.keys()}

@@ -230,6 +230,34 @@ def test_consolidate_writes_the_full_state_dict_as_a_transformers_model(tmp_path
         assert torch.equal(value, full[name].to(cast)), name
 
 
+def test_consolidate_replaces_an_earlier_model_in_its_folder(tmp_path):
+    """As transformers' save_pretrained does: the old shards and index go (a
+    load following the index read the old weights), and the old config.json
+    where this export writes none."""
+    import json
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    from rlhfz.checkpoint.export import consolidate
+    out = tmp_path / "out"
+    out.mkdir()
+    shards = [f"model-0000{k}-of-00002.safetensors" for k in (1, 2)]
+    for k, shard in enumerate(shards):
+        save_file({f"{k}.weight": torch.zeros(8, 8)}, str(out / shard))
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"0.weight": shards[0], "1.weight": shards[1]}}))
+    (out / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    (out / "notes.txt").write_text("not a model file")
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    rlhfz.save_checkpoint(tmp_path / "ckpt", plain, rlhfz.ZeroAdamW(plain.parameters()))
+    consolidate(tmp_path / "ckpt", out)
+    assert sorted(os.listdir(out)) == ["model.safetensors", "notes.txt"]
+    exported = load_file(str(out / "model.safetensors"))
+    for name, value in plain.state_dict().items():
+        assert torch.equal(exported[name], value), name
+
+
 def test_consolidate_refuses_what_it_cannot_export(tmp_path):
     import subprocess
     import sys

@@ -5,7 +5,10 @@ group and no GPU. It reads a checkpoint of any world size and stage (or a
 model-only one), checks every byte it will read against its CRC, and writes
 OUT/model.safetensors (and config.json when the checkpoint saved the
 model's config) one tensor at a time: the memory it holds is the largest
-tensor, its cast, and nothing more. Optimizer state is left unread.
+tensor, its cast, and nothing more. Optimizer state is left unread. An
+earlier model in OUT goes, as transformers' save_pretrained leaves it: its
+other weight files and their index, and its config.json where this export
+writes none, so that no load reads the old weights.
 """
 from __future__ import annotations
 
@@ -18,10 +21,10 @@ from ..progress import progress
 from .format import fsync_dir
 from .model_only import open_checked, plan_copies
 from .safetensors_out import DTYPES as SAFETENSORS_DTYPES
-from .safetensors_out import SafetensorsWriter
+from .safetensors_out import SINGLE_FILE, SafetensorsWriter, drop_stale_weights
 from .validation import CheckpointError, read_index
 
-OUTPUT = "model.safetensors"
+OUTPUT = SINGLE_FILE
 CONFIG = "config.json"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -84,12 +87,15 @@ def consolidate(checkpoint, out, dtype: str | None = None) -> dict:
         except BaseException:
             writer.abort()
             raise
+        drop_stale_weights(out, [OUTPUT])
         if isinstance(index.get("hf_config"), dict):
             config = dict(index["hf_config"])
             if target is not None:
                 config["torch_dtype"] = config["dtype"] = str(target).split(".")[-1]
             with open(os.path.join(out, CONFIG), "w") as f:
                 json.dump(config, f, indent=2, sort_keys=True)
+        elif os.path.exists(os.path.join(out, CONFIG)):
+            os.unlink(os.path.join(out, CONFIG))        # another model's
         fsync_dir(out)
     finally:
         for tf in files.values():

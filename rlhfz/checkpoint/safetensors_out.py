@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import struct
 
@@ -19,6 +20,23 @@ import torch
 DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
           torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
           torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+# transformers' names for a model's weights: one file, or shards and their index
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def drop_stale_weights(path: str, written: list[str]) -> None:
+    """Removes the weight files and index of an earlier save into `path`
+    that this one did not write (`written`: the weight files it did), as
+    transformers' save_pretrained does: a load must never read them."""
+    keep = set(written) | ({INDEX_FILE} if len(written) > 1 else set())
+    for name in os.listdir(path):
+        stale = name in (SINGLE_FILE, INDEX_FILE) or _SHARD_NAME.fullmatch(name) is not None
+        if stale and name not in keep:
+            os.unlink(os.path.join(path, name))
 
 
 def nbytes(dtype: torch.dtype, shape) -> int:
