@@ -127,13 +127,10 @@ def _usage_error(command: str, message: str) -> int:
 
 def _parse_count(text: str) -> int:
     """'7e9', '7B', '350M' or a plain integer, at least 1."""
-    cleaned = text.strip().upper()
-    scale = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}.get(cleaned[-1:], 1)
-    if scale != 1:
-        cleaned = cleaned[:-1]
+    from rlhfz.engine.numbers import parse_count
     try:
-        count = int(float(cleaned) * scale)
-    except (ValueError, OverflowError):
+        count = parse_count(text)
+    except ValueError:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a parameter count: write e.g. 7B, 350M, 125000 or 7e9") from None
     if count < 1:
@@ -214,13 +211,21 @@ def main(argv=None) -> int:
     info.set_defaults(func=_cmd_info)
 
     args = parser.parse_args(argv)
-    if args.command in ("demo", "bench", "estimate"):       # the commands that build buckets
-        from rlhfz.engine.layout import env_bucket_bytes
-        try:
-            env_bucket_bytes()
-        except ValueError as error:
-            return _usage_error(args.command, str(error))
+    try:
+        _check_environment(args.command)
+    except ValueError as error:
+        return _usage_error(args.command, str(error))
     return args.func(args)
+
+
+def _check_environment(command: str) -> None:
+    """A ValueError naming the variable the command reads that is not valid."""
+    if command in ("demo", "bench", "estimate"):         # the commands that build buckets
+        from rlhfz.engine.layout import env_bucket_bytes
+        env_bucket_bytes()
+    if command == "consolidate":                         # progress for what it writes
+        from rlhfz.progress import min_bytes
+        min_bytes()
 
 
 if __name__ == "__main__":

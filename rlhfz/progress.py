@@ -1,7 +1,8 @@
 """Progress for long operations (save, load, large offloads).
 
 A tqdm bar on stderr when stderr is a terminal, the operation moves at least
-RLHFZ_PROGRESS_MIN_BYTES (1 GiB by default), and this is the first rank;
+RLHFZ_PROGRESS_MIN_BYTES (1 GiB by default; a count such as 500M or 2G,
+decimal, as the command line writes counts), and this is the first rank;
 silence otherwise. RLHFZ_PROGRESS=1 forces bars on (any rank, any size),
 RLHFZ_PROGRESS=0 off.
 """
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import os
 import sys
+
+from .engine.numbers import env_bytes
 
 
 class _Quiet:
@@ -37,8 +40,14 @@ def wanted(total_bytes: int) -> bool:
     forced = os.environ.get("RLHFZ_PROGRESS")
     if forced is not None:
         return forced not in ("", "0")
-    threshold = int(os.environ.get("RLHFZ_PROGRESS_MIN_BYTES", 1 << 30))
-    return total_bytes >= threshold and sys.stderr.isatty() and _first_rank()
+    return total_bytes >= min_bytes() and sys.stderr.isatty() and _first_rank()
+
+
+def min_bytes() -> int:
+    """RLHFZ_PROGRESS_MIN_BYTES (default 1 GiB); a ValueError naming the
+    variable when it is not a count of bytes."""
+    threshold = env_bytes("RLHFZ_PROGRESS_MIN_BYTES", counts=True)
+    return 1 << 30 if threshold is None else threshold
 
 
 def progress(total_bytes: int, desc: str):

@@ -275,6 +275,33 @@ def test_progress_shows_only_when_asked(tmp_path, capfd, monkeypatch):
     assert "rlhfz save" in err and "rlhfz load" in err
 
 
+@pytest.mark.parametrize("text, threshold", [("1G", 10**9), ("500M", 5 * 10**8),
+                                             ("1073741824", 1 << 30), ("2.5k", 2500), ("0", 0)])
+def test_progress_threshold_takes_counts_as_the_command_line_writes_them(tmp_path, monkeypatch,
+                                                                        text, threshold):
+    from rlhfz.progress import min_bytes
+    monkeypatch.delenv("RLHFZ_PROGRESS", raising=False)
+    monkeypatch.setenv("RLHFZ_PROGRESS_MIN_BYTES", text)
+    assert min_bytes() == threshold
+    model, opt = workers.build("mlp", 2)
+    rlhfz.save_checkpoint(tmp_path, model, opt)
+    rlhfz.load_checkpoint(tmp_path, model, opt)
+
+
+@pytest.mark.parametrize("text", ["lots", "-1", "1GiB"])
+def test_a_progress_threshold_that_is_no_count_is_refused_by_name(tmp_path, monkeypatch, capsys,
+                                                                 text):
+    from rlhfz.__main__ import main
+    monkeypatch.delenv("RLHFZ_PROGRESS", raising=False)
+    monkeypatch.setenv("RLHFZ_PROGRESS_MIN_BYTES", text)
+    model, opt = workers.build("mlp", 2)
+    with pytest.raises(ValueError, match="RLHFZ_PROGRESS_MIN_BYTES must be a whole number"):
+        rlhfz.save_checkpoint(tmp_path / "ckpt", model, opt)
+    assert main(["consolidate", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 2
+    assert "error: RLHFZ_PROGRESS_MIN_BYTES must be" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 # ---- across ranks: stages, world sizes, resharding ------------------------------------------
 
 def _run(fn, world_size, *args):

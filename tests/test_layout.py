@@ -50,12 +50,13 @@ def test_stage2_bucket_bytes(monkeypatch):
     assert stage2_bucket_bytes(1 << 40) == 4096
 
 
-@pytest.mark.parametrize("value", ["-100000000", "0", "4095", "abc", "1e6", ""])
+@pytest.mark.parametrize("value", ["-100000000", "0", "4095", "abc", "1e6"])
 def test_a_bucket_size_from_the_environment_below_a_page_is_refused(monkeypatch, value):
     """RLHFZ_BUCKET_BYTES obeys bucket_bytes='s rule, with its name in the error."""
     from rlhfz.estimate import estimate_bytes
     monkeypatch.setenv("RLHFZ_BUCKET_BYTES", value)
-    with pytest.raises(ValueError, match=r"RLHFZ_BUCKET_BYTES=.*at least 4096"):
+    rule = "RLHFZ_BUCKET_BYTES must be a whole number of bytes >= 4096"
+    with pytest.raises(ValueError, match=rule):
         stage2_bucket_bytes(1 << 20)
     with pytest.raises(ValueError, match="RLHFZ_BUCKET_BYTES"):
         estimate_bytes(1_000_000, world_size=2, stage=2)

@@ -440,8 +440,8 @@ def test_cli_refuses_a_bucket_size_from_the_environment_below_a_page(monkeypatch
     assert main(command) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert f"python -m rlhfz {command[0]}: error: RLHFZ_BUCKET_BYTES='-100000000'" \
-        in captured.err and "at least 4096" in captured.err, captured.err
+    assert f"python -m rlhfz {command[0]}: error: RLHFZ_BUCKET_BYTES must be a whole number " \
+           f"of bytes >= 4096 (digits), not '-100000000'" in captured.err, captured.err
 
 
 def test_cli_bench_runs_every_peer_on_the_same_threads_and_says_so(capsys):

@@ -12,6 +12,7 @@ import resource
 import weakref
 
 from .. import _C
+from .numbers import env_bytes
 from .user_warnings import warn_user
 
 DEFAULT_PIN_FRACTION = 0.5     # of available RAM, and of RLIMIT_MEMLOCK when it is set
@@ -37,17 +38,8 @@ def pin_budget() -> int:
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     if soft != resource.RLIM_INFINITY:
         budget = min(budget, int(DEFAULT_PIN_FRACTION * soft))
-    override = os.environ.get("RLHFZ_PIN_BUDGET_BYTES")
-    if not override:
-        return budget
-    try:
-        value = int(override)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"RLHFZ_PIN_BUDGET_BYTES must be a whole number of bytes >= 0, "
-                         f"not {override!r}")
-    return value
+    override = env_bytes("RLHFZ_PIN_BUDGET_BYTES")
+    return budget if override is None else override
 
 
 class PinnedPool:

@@ -11,9 +11,10 @@ on the host. Every piece of that arithmetic lives in this module.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Sequence
+
+from .numbers import env_bytes
 
 ALIGN_BYTES = 64
 # the smallest bucket_bytes= taken: one page
@@ -38,17 +39,7 @@ def env_bucket_bytes() -> int | None:
     """RLHFZ_BUCKET_BYTES as a number of bytes, None when it is not set; a
     ValueError naming the variable unless it is a whole number of at least
     MIN_BUCKET_BYTES, as bucket_bytes= must be."""
-    text = os.environ.get("RLHFZ_BUCKET_BYTES")
-    if text is None:
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        value = None
-    if value is None or value < MIN_BUCKET_BYTES:
-        raise ValueError(f"RLHFZ_BUCKET_BYTES={text!r}: the bucket size must be a whole number "
-                         f"of bytes, at least {MIN_BUCKET_BYTES}")
-    return value
+    return env_bytes("RLHFZ_BUCKET_BYTES", MIN_BUCKET_BYTES)
 
 
 def split_by_bytes(items: list, size_of, cap: int) -> list[list]:
