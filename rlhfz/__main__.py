@@ -19,8 +19,12 @@ def _cmd_demo(args) -> int:
                        args.stage)
     except ValueError as error:
         return _usage_error("demo", str(error))
-    demo.run(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-             world_size=args.world_size, stage=args.stage)
+    try:
+        demo.run(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+                 world_size=args.world_size, stage=args.stage)
+    except demo.DemoCheckFailed as error:
+        print(f"python -m rlhfz demo: error: {error}", file=sys.stderr)
+        return 1
     return 0
 
 

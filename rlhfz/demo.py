@@ -147,6 +147,29 @@ def _setup(seed, lr, steps, optimizer_factory):
     return cfg, model, opt, sched
 
 
+# The params are checked against torch.optim.AdamW's after this step (or the
+# last, if sooner). Training amplifies float32 rounding as it goes, the more
+# the higher the lr: after 300 steps at the default lr a right optimizer
+# differs by about 3e-4, after 1000 by 1e-3, at lr 2e-2 by 0.4. After 20
+# steps it differs by about 2e-5 (8e-5 at lr 2e-2) on any world size and
+# stage, while AdamW without its weight decay differs by 2e-3 and one with
+# a 10% larger lr by 2e-2.
+CHECK_STEP = 20
+PARAM_TOLERANCE = 1e-3
+
+
+class DemoCheckFailed(RuntimeError):
+    """The demo ran, and ZeroAdamW did not do what torch.optim.AdamW does."""
+
+
+def _snapshot_at(model, step: int, into: list):
+    """An on_step for _train: the params after `step`, copied into `into`."""
+    def on_step(done: int) -> None:
+        if done == step:
+            into[:] = [p.detach().clone() for p in model.parameters()]
+    return on_step
+
+
 def _rank_main(rank, world_size, steps, batch_size, lr, seed, stage):
     """One rank of the sharded run (spawned by rlhfz.launch.run_ranks)."""
     import functools
@@ -154,10 +177,13 @@ def _rank_main(rank, world_size, steps, batch_size, lr, seed, stage):
     import rlhfz
     factory = functools.partial(rlhfz.ZeroAdamW, stage=stage)
     cfg, model, opt, sched = _setup(seed, lr, steps, factory)
-    losses, seconds = _train(model, opt, sched, cfg, steps, batch_size, seed, rank, world_size)
+    checked = []
+    losses, seconds = _train(model, opt, sched, cfg, steps, batch_size, seed, rank, world_size,
+                             _snapshot_at(model, min(steps, CHECK_STEP), checked))
     return {"losses": losses, "step_seconds": seconds / steps,
             "memory_report": opt.memory_report(),
-            "params": [p.detach().clone() for p in model.parameters()] if rank == 0 else None}
+            "params": [p.detach().clone() for p in model.parameters()] if rank == 0 else None,
+            "checked_params": checked if rank == 0 else None}
 
 
 def _print_report(print_fn, title, report):
@@ -251,7 +277,9 @@ def run(steps: int = 300, batch_size: int = 16, lr: float = 3e-3, seed: int = 0,
              f"{nparams:,} params, {steps} steps, global batch {batch_size}x{cfg.seq_len}; "
              f"ZeroAdamW stage {stage} on {world_size} {launcher} rank(s) beside "
              f"torch.optim.AdamW in one process; simd={info['simd']} threads={info['threads']}")
-    ref_losses, ref_seconds = _train(ref_model, ref_opt, ref_sched, cfg, steps, batch_size, seed)
+    check_step, ref_checked = min(steps, CHECK_STEP), []
+    ref_losses, ref_seconds = _train(ref_model, ref_opt, ref_sched, cfg, steps, batch_size, seed,
+                                     on_step=_snapshot_at(ref_model, check_step, ref_checked))
 
     # The unsharded figure: the same optimizer, one process.
     _, _, single_opt, _ = _setup(seed, lr, steps, rlhfz.ZeroAdamW)
@@ -271,13 +299,21 @@ def run(steps: int = 300, batch_size: int = 16, lr: float = 3e-3, seed: int = 0,
     for index, result in enumerate(ranks):
         _print_report(print_fn, f"rank {index}", result["memory_report"])
     diff = relative_difference_lists(ranks[0]["params"], list(ref_model.parameters()))
+    checked = relative_difference_lists(ranks[0]["checked_params"], ref_checked)
     tail = losses[-10:]
     first, last = losses[0], sum(tail) / len(tail)
+    later = (f", by {diff:.2e} after step {steps} (rounding that training amplifies)"
+             if check_step < steps else "")
     print_fn(f"loss {first:.3f} -> {last:.3f} (mean of the last {len(tail)}); params differ from "
-             f"torch.optim.AdamW's by {diff:.2e} relative (L2)")
+             f"torch.optim.AdamW's by {checked:.2e} relative (L2) after step {check_step} "
+             f"(checked: at most {PARAM_TOLERANCE:.0e}){later}")
+    if not checked <= PARAM_TOLERANCE:
+        raise DemoCheckFailed(f"ZeroAdamW does not match torch.optim.AdamW: after step "
+                              f"{check_step} the params differ by {checked:.2e} relative (L2), "
+                              f"above {PARAM_TOLERANCE:.0e} (float32 rounding stays far below)")
     if not (math.isfinite(last) and last < first):
-        raise RuntimeError("the demo did not learn: the loss did not go down")
+        raise DemoCheckFailed("the demo did not learn: the loss did not go down")
     return {"rank": 0, "losses": {"rlhfz": losses, "torch": ref_losses},
-            "relative_param_diff": diff,
+            "relative_param_diff": diff, "checked_param_diff": checked,
             "memory_report": ranks[0]["memory_report"], "unsharded_memory_report": unsharded,
             "rank_memory_reports": [r["memory_report"] for r in ranks]}

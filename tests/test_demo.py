@@ -38,3 +38,34 @@ def test_a_short_demo_averages_the_steps_it_took():
 def test_a_run_the_demo_cannot_make_is_refused_before_training(arguments, message):
     with pytest.raises(ValueError, match=message):
         demo.run(print_fn=None, **arguments)
+
+
+def _without_weight_decay(zero_adamw):
+    """ZeroAdamW with a quiet defect: its groups' weight decay dropped."""
+    class Broken(zero_adamw):
+        def __init__(self, params, **options):
+            super().__init__([dict(group, weight_decay=0.0) for group in params], **options)
+    return Broken
+
+
+def test_the_demo_fails_when_zero_adamw_does_not_match_torch(monkeypatch, capsys):
+    """The loss falls all the same; the params compared with torch's after
+    20 steps are what catch it, in the library and on the command line."""
+    import rlhfz
+    from rlhfz.__main__ import main
+    monkeypatch.setattr(rlhfz, "ZeroAdamW", _without_weight_decay(rlhfz.ZeroAdamW))
+    with pytest.raises(demo.DemoCheckFailed, match="does not match torch.optim.AdamW: after "
+                                                   "step 20 the params differ by"):
+        demo.run(steps=20, world_size=1, print_fn=lambda *a: None)
+    assert main(["demo", "--steps", "20", "--world-size", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "python -m rlhfz demo: error: ZeroAdamW does not match" in err and "Traceback" not in err
+
+
+def test_the_demo_checks_the_params_early_and_reports_the_last_step_too():
+    lines = []
+    result = demo.run(steps=25, world_size=1, print_fn=lines.append)
+    summary = next(line for line in lines if "params differ" in line)
+    assert f"by {result['checked_param_diff']:.2e} relative (L2) after step 20" in summary
+    assert f"by {result['relative_param_diff']:.2e} after step 25" in summary
+    assert result["checked_param_diff"] < 1e-4
