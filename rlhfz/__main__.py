@@ -48,21 +48,25 @@ def _cmd_bench(args) -> int:
                 f"param: the param, its grad, two fp32 moments and a step's temporary)")
     if needed > memory:
         return _usage_error("bench", f"{too_much}, more than this machine's {memory:,}")
-    # every peer on the same threads, so the rows compare the steps alone
-    threads = rlhfz.get_num_threads()
+    # every peer on the same threads, so the rows compare the steps alone;
+    # torch's own count comes back after (main() may run inside a program)
+    threads, torch_threads = rlhfz.get_num_threads(), torch.get_num_threads()
     torch.set_num_threads(threads)
     print(f"one fp32 AdamW step over {n:,} params, each peer on {threads} threads "
           f"(RLHFZ_NUM_THREADS sets it)")
-    for name in ("rlhfz", "torch_foreach", "torch_fused"):
-        try:
-            seconds = _time_step(name, n, args.repeat)
-        except (MemoryError, RuntimeError) as error:
-            if not isinstance(error, MemoryError) and "alloc" not in str(error).lower():
-                raise
-            return _usage_error("bench", f"{too_much}; the allocation failed: {error}")
-        own = rlhfz.get_num_threads() if name == "rlhfz" else torch.get_num_threads()
-        print(f"{name:<14} {seconds * 1e3:8.2f} ms/step  {28 * n / seconds / 1e9:7.2f} GB/s "
-              f"(28 bytes/param moved, {own} threads)")
+    try:
+        for name in ("rlhfz", "torch_foreach", "torch_fused"):
+            try:
+                seconds = _time_step(name, n, args.repeat)
+            except (MemoryError, RuntimeError) as error:
+                if not isinstance(error, MemoryError) and "alloc" not in str(error).lower():
+                    raise
+                return _usage_error("bench", f"{too_much}; the allocation failed: {error}")
+            own = rlhfz.get_num_threads() if name == "rlhfz" else torch.get_num_threads()
+            print(f"{name:<14} {seconds * 1e3:8.2f} ms/step  {28 * n / seconds / 1e9:7.2f} "
+                  f"GB/s (28 bytes/param moved, {own} threads)")
+    finally:
+        torch.set_num_threads(torch_threads)
     return 0
 
 
