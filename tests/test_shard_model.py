@@ -258,6 +258,30 @@ def test_consolidate_replaces_an_earlier_model_in_its_folder(tmp_path):
         assert torch.equal(exported[name], value), name
 
 
+def test_consolidate_writes_the_generation_config_and_drops_another_models(tmp_path):
+    """transformers' generate reads generation_config.json beside the
+    weights: the export writes the saved model's, and a folder's earlier one
+    goes when the saved model had none."""
+    import os
+
+    import transformers
+
+    from rlhfz.checkpoint.export import consolidate
+    model = stage3_workers.tiny_lm("gpt2", seed=1)
+    model.generation_config.max_new_tokens = 7
+    model.generation_config.do_sample = True
+    rlhfz.save_checkpoint(tmp_path / "ckpt", model, rlhfz.ZeroAdamW(model.parameters()))
+    out = tmp_path / "out"
+    consolidate(tmp_path / "ckpt", out)
+    loaded = transformers.GenerationConfig.from_pretrained(out)
+    assert loaded.max_new_tokens == 7 and loaded.do_sample is True
+
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    rlhfz.save_checkpoint(tmp_path / "plain", plain)
+    consolidate(tmp_path / "plain", out)
+    assert sorted(os.listdir(out)) == ["model.safetensors"]
+
+
 def test_consolidate_refuses_what_it_cannot_export(tmp_path):
     import subprocess
     import sys

@@ -3,12 +3,13 @@
 `python -m rlhfz consolidate CKPT OUT [--dtype fp32|bf16]` needs no process
 group and no GPU. It reads a checkpoint of any world size and stage (or a
 model-only one), checks every byte it will read against its CRC, and writes
-OUT/model.safetensors (and config.json when the checkpoint saved the
-model's config) one tensor at a time: the memory it holds is the largest
-tensor, its cast, and nothing more. Optimizer state is left unread. An
+OUT/model.safetensors (and config.json and generation_config.json when
+the checkpoint saved the model's configs) one tensor at a time: the
+memory it holds is the largest tensor, its cast, and nothing more. Optimizer state is left unread. An
 earlier model in OUT goes, as transformers' save_pretrained leaves it: its
-other weight files and their index, and its config.json where this export
-writes none, so that no load reads the old weights.
+other weight files and their index, and its config.json and
+generation_config.json where this export writes none, so that no load
+reads the old weights or generates with the old settings.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from .validation import CheckpointError, read_index
 
 OUTPUT = SINGLE_FILE
 CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -88,14 +90,16 @@ def consolidate(checkpoint, out, dtype: str | None = None) -> dict:
             writer.abort()
             raise
         drop_stale_weights(out, [OUTPUT])
-        if isinstance(index.get("hf_config"), dict):
-            config = dict(index["hf_config"])
-            if target is not None:
-                config["torch_dtype"] = config["dtype"] = str(target).split(".")[-1]
-            with open(os.path.join(out, CONFIG), "w") as f:
-                json.dump(config, f, indent=2, sort_keys=True)
-        elif os.path.exists(os.path.join(out, CONFIG)):
-            os.unlink(os.path.join(out, CONFIG))        # another model's
+        for key, name in (("hf_config", CONFIG), ("hf_generation_config", GENERATION_CONFIG)):
+            config = index.get(key)
+            if isinstance(config, dict):
+                config = dict(config)
+                if key == "hf_config" and target is not None:
+                    config["torch_dtype"] = config["dtype"] = str(target).split(".")[-1]
+                with open(os.path.join(out, name), "w") as f:
+                    json.dump(config, f, indent=2, sort_keys=True)
+            elif os.path.exists(os.path.join(out, name)):
+                os.unlink(os.path.join(out, name))        # another model's
         fsync_dir(out)
     finally:
         for tf in files.values():

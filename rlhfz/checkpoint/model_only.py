@@ -63,7 +63,7 @@ def save_model(path, model, client_state=None) -> None:
         raise TypeError(f"client_state must be JSON-serializable: {error}") from None
     record = sharding_of_model(module)
     if record is None or record.stage3 is None:
-        _write_model(os.fspath(path), _tensors(module), client, hf_config(module))
+        _write_model(os.fspath(path), _tensors(module), client, hf_configs(module))
         return
     state = full_state_dict(module, rank0_only=True)
     error = None
@@ -74,7 +74,7 @@ def save_model(path, model, client_state=None) -> None:
                 if id(t) not in seen:
                     seen.add(id(t))
                     tensors[name] = t
-            _write_model(os.fspath(path), tensors, client, hf_config(module))
+            _write_model(os.fspath(path), tensors, client, hf_configs(module))
         except Exception as caught:          # every rank hears of it
             error = caught
     failed = record.comm.statuses(None if error is None else f"{type(error).__name__}: {error}",
@@ -85,20 +85,27 @@ def save_model(path, model, client_state=None) -> None:
         raise CheckpointError(f"save_checkpoint: the first rank could not write {path}: {failed}")
 
 
-def hf_config(module):
-    """A transformers model's config as a dict (saved beside the tensors, so
-    that an export can be loaded by transformers), else None."""
+def hf_configs(module) -> dict:
+    """A transformers model's config, and its generation config where it
+    generates, as dicts under "hf_config" and "hf_generation_config" (saved
+    beside the tensors, so that an export is what transformers saves);
+    empty for any other module."""
+    out = {}
     config = getattr(module, "config", None)
-    to_dict = getattr(config, "to_dict", None)
-    if to_dict is None:
-        return None
-    try:
-        return json.loads(json.dumps(to_dict()))
-    except (TypeError, ValueError):
-        return None
+    generation = (getattr(module, "generation_config", None)
+                  if getattr(module, "can_generate", lambda: False)() else None)
+    for key, held in (("hf_config", config), ("hf_generation_config", generation)):
+        to_dict = getattr(held, "to_dict", None)
+        if to_dict is None:
+            continue
+        try:
+            out[key] = json.loads(json.dumps(to_dict()))
+        except (TypeError, ValueError):
+            continue
+    return out
 
 
-def _write_model(path: str, tensors: dict, client, config=None) -> None:
+def _write_model(path: str, tensors: dict, client, configs: dict) -> None:
     if os.path.exists(path) and not os.path.isdir(path):
         raise CheckpointError(f"{path} exists and is not a directory")
     token = secrets.token_hex(8)
@@ -126,7 +133,7 @@ def _write_model(path: str, tensors: dict, client, config=None) -> None:
              "module": {n: {"shape": list(t.shape), "dtype": _dtype_name(t.dtype)}
                         for n, t in tensors.items()},
              "client_state": client, "generation": f"g-{token}",
-             **({"hf_config": config} if config is not None else {}),
+             **configs,
              "files": [{"name": name, "bytes": writer.nbytes, "crc32": writer.crc32}]}
     try:
         commit_generation(path, tmp, token, index)

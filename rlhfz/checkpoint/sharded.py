@@ -31,7 +31,7 @@ from ..state_dict import packed_groups
 from .consolidated import MODEL_FILE, load_consolidated
 from .format import CorruptFileError, TensorFileWriter, fsync_dir
 from .generations import commit_generation, discard_generation
-from .model_only import hf_config, load_model, save_model, whole_model
+from .model_only import hf_configs, load_model, save_model, whole_model
 from .validation import (FORMAT, INDEX, CheckpointError, all_ok, check_entries, check_groups,
                          check_match, file_name, leads, open_files, read_index, verify)
 
@@ -120,9 +120,8 @@ def _describe(model, optimizer) -> dict:
                  "params": params, "param_groups": groups, "buckets": buckets,
                  "module": {name: {"shape": list(t.shape), "dtype": str(t.dtype).split(".")[-1]}
                             for name, t in extras.items()}}
-    config = hf_config(unwrap_model(model)) if model is not None else None
-    if config is not None:
-        described["hf_config"] = config       # for an export that transformers loads
+    if model is not None:           # for an export that transformers loads
+        described.update(hf_configs(unwrap_model(model)))
     return described
 
 
