@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 from . import state_dict as translate
 from .comm import communicator_for
 from .engine import INT8_SQ_LIMIT, ShardEngine, backend_for, host_buffer
+from .engine.layout import env_bucket_bytes
 from .module_zero_grad import unwatch as unwatch_zero_grad
 from .module_zero_grad import watch as watch_zero_grad
 from .optim_edits import StateEntries, check_group_params
@@ -180,6 +181,14 @@ class ZeroAdamW(Optimizer):
                 raise ValueError(f"stage=0 does not shard, so it has no use for "
                                  f"{self.world_size} ranks: wrap the model in "
                                  f"DistributedDataParallel, or pick stage 1, 2 or 3")
+            if self.comm is not None:
+                # options that shape the collectives: ranks that differ in one
+                # are told so here, not by a timeout in the first backward
+                self.comm.agree("ZeroAdamW", {
+                    "stage": stage, "collectives": collectives,
+                    "reduce_dtype": str(reduce_dtype), "state_dtype": state_dtype,
+                    "bucket_bytes": bucket_bytes if bucket_bytes is not None
+                    else env_bucket_bytes()})
             self.stage = stage
             self.module = module
             self.reduce_dtype = reduce_dtype

@@ -316,6 +316,9 @@ def shard_with(model, comm, backend, wrap, threshold: int, params: list,
     shards `params`, the rest are left to the optimizer. Params on the meta
     device get only this rank's shard (zeros, and whole small params as
     zeros), and the model refuses to run until a load fills them."""
+    if comm is not None:
+        # the units follow from these: ranks that differ would gather apart
+        comm.agree("shard_model", {"wrap": _described(wrap), "threshold": threshold})
     record = ShardedModel(model, comm, backend, wrap, threshold)
     if from_meta:
         _materialize_shards(record, params)
@@ -325,6 +328,14 @@ def shard_with(model, comm, backend, wrap, threshold: int, params: list,
         comm.start_from_first_rank(params, "shard_model")
     record.shard(params)
     return model
+
+
+def _described(wrap):
+    """wrap as every rank can compare it: class names, not objects."""
+    if isinstance(wrap, (list, tuple, set, frozenset)):
+        return sorted(f"{getattr(w, '__module__', '')}.{getattr(w, '__qualname__', repr(w))}"
+                      for w in wrap)
+    return repr(wrap)
 
 
 def _materialize_shards(record, params: list) -> None:

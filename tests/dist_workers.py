@@ -119,6 +119,32 @@ def mismatched_calls(rank, world_size, what):
     return None
 
 
+def built_differently(rank, world_size, what):
+    """Ranks that construct differently: the error names what differs (or
+    the group that could not be made), within the timeout, before any
+    backward. Returns (type name, message) or None."""
+    os.environ["RLHFZ_COLLECTIVE_TIMEOUT"] = "5"
+    model = make_model()
+    try:
+        if what == "stage":
+            rlhfz.ZeroAdamW(groups(model), stage=2 if rank == 0 else 1)
+        elif what == "bucket_bytes":
+            rlhfz.ZeroAdamW(groups(model), stage=2, bucket_bytes=(1 << 20) << rank)
+        elif what == "wrap":
+            wrap = [torch.nn.Linear] if rank == 0 else [torch.nn.Tanh, torch.nn.Linear]
+            rlhfz.shard_model(model, wrap=wrap, param_persistence_threshold=0)
+        elif what == "second_optimizer":
+            rlhfz.ZeroAdamW(groups(model), stage=2)
+            if rank == 0:
+                rlhfz.ZeroAdamW(groups(make_model()), stage=2)
+            else:
+                import time
+                time.sleep(10)      # never builds the second
+    except Exception as error:      # noqa: BLE001 (the test reads its type)
+        return type(error).__name__, str(error)
+    return None
+
+
 def start_from_first_rank(rank, world_size, stage):
     """Each rank seeds its model differently; the optimizer starts every
     rank from rank 0's values. Returns the params after construction."""

@@ -104,6 +104,30 @@ def test_a_rank_that_never_arrives_fails_within_the_timeout():
     assert "not every rank of the 2 did within 5 s" in messages[0]
 
 
+@pytest.mark.parametrize("what,differs", [
+    ("stage", "'stage': 2"), ("bucket_bytes", "'bucket_bytes': 1048576"),
+    ("wrap", "torch.nn.modules.linear.Linear"),
+])
+def test_ranks_that_build_differently_are_told_what_differs(what, differs):
+    """Options that shape the collectives (stage, bucket sizes, stage-3
+    units) are agreed when the optimizer or sharded model is built: a
+    mismatch was a timeout in the first backward, naming a reduce-scatter."""
+    results = run_ranks(workers.built_differently, 2, what, timeout=120)
+    for rank, result in enumerate(results):
+        assert result is not None, results
+        kind, message = result
+        assert kind == "CollectiveMismatchError" and "ranks disagree" in message, message
+        assert differs in message, message
+
+
+def test_a_rank_that_builds_another_optimizer_alone_is_told_so():
+    results = run_ranks(workers.built_differently, 2, "second_optimizer", timeout=120)
+    assert results[1] is None
+    kind, message = results[0]
+    assert kind == "CollectiveMismatchError", message
+    assert "could not make rlhfz's group" in message and "same order" in message, message
+
+
 def test_run_ranks_says_what_happened_to_the_ranks():
     """Ranks that raised are not said to be late, and a rank whose process
     ended without a result is named with its exit code."""

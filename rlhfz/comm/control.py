@@ -62,11 +62,26 @@ def own_group(rows: list[list[int]], timeout_s: float):
     order: each row's group is made on every rank, and this rank keeps its own."""
     me, mine = dist.get_rank(), None
     for row in rows:
-        group = dist.new_group(ranks=list(row), backend="gloo",
-                               timeout=datetime.timedelta(seconds=timeout_s))
+        group = made_group(list(row), timeout_s)
         if me in row:
             mine = group
     return mine
+
+
+def made_group(ranks: list[int] | None, timeout_s: float):
+    """dist.new_group over `ranks` (None: all) on gloo. Every rank of the job
+    makes each group in the same order; one that makes other groups (another
+    device mesh or process group) is named here, not left to gloo's words."""
+    try:
+        return dist.new_group(ranks=ranks, backend="gloo",
+                              timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as error:
+        raise CollectiveMismatchError(
+            f"rank {dist.get_rank()} could not make rlhfz's group over "
+            f"{'every rank' if ranks is None else f'ranks {ranks}'} of the job within "
+            f"{timeout_s:g} s: every rank must build its optimizers and sharded models in "
+            f"the same order, with the same process_group or device_mesh (shape and "
+            f"dimension names) ({error})") from error
 
 
 def _check_carries_cpu(process_group) -> None:
@@ -128,8 +143,7 @@ class ControlPlane:
             return self.process_group
         if self.rows is not None:
             return own_group(self.rows, self.timeout_s)
-        return dist.new_group(ranks=self.ranks, backend="gloo",
-                              timeout=datetime.timedelta(seconds=self.timeout_s))
+        return made_group(self.ranks, self.timeout_s)
 
     def sibling(self, timeout_s: float, timeout_name: str) -> "ControlPlane":
         """A plane of its own over the same ranks, with another timeout."""
