@@ -325,7 +325,7 @@ static PyGetSetDef Buffer_getset[] = {
      "memory tier: host, pinned, device, disk or external (pinned asked for with no usable "
      "CUDA device gives host)", NULL},
     {"device", (getter)Buffer_get_device, NULL, "CUDA ordinal of device memory, else -1", NULL},
-    {"path", (getter)Buffer_get_path, NULL, "the file behind a disk buffer, else None", NULL},
+    {"path", (getter)Buffer_get_path, NULL, "the name a disk buffer's file had (removed once mapped), else None", NULL},
     {"address", (getter)Buffer_get_address, NULL, "address of the first byte", NULL},
     {"exports", (getter)Buffer_get_exports, NULL,
      "DLPack exports of this buffer that their consumers still hold", NULL},
@@ -341,7 +341,8 @@ static PyType_Slot Buffer_slots[] = {
     {Py_tp_doc, "Buffer(nbytes, tier='host', *, device=-1, alignment=64, zero=True, path=None)\n\n"
                 "An owned, aligned allocation. Views of it are exported through DLPack\n"
                 "without copying, and each export keeps the buffer alive. The disk tier is\n"
-                "a new file in the directory `path`, mapped into memory and deleted on free."},
+                "a new file in the directory `path`, mapped into memory; its name is removed\n"
+                "at once, so its blocks go back when the buffer is freed or the process ends."},
     {Py_tp_new, Buffer_new},
     {Py_tp_dealloc, Buffer_dealloc},
     {Py_tp_traverse, Buffer_traverse},

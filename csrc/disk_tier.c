@@ -4,8 +4,10 @@
  * shared into memory, so kernels and copies see plain host memory while the
  * kernel's page cache and the file hold the bytes. The file's blocks are
  * reserved up front (posix_fallocate): a full disk is an OSError at
- * allocation, never a SIGBUS at some later write. Freeing unmaps, closes
- * and deletes the file.
+ * allocation, never a SIGBUS at some later write. The name is removed as
+ * soon as the file is mapped: the open file and the mapping keep its blocks,
+ * so nothing is left on disk when the buffer is freed or the process dies,
+ * however it ends (a killed process left its named files behind).
  *
  * Names carry 128 random bits from getrandom(), and files are created with
  * O_EXCL | O_NOFOLLOW and mode 0600: in a shared directory another user can
@@ -86,6 +88,14 @@ int rlhfz_disk_alloc(const char *dir, size_t nbytes, void **data, int *fd, char 
             if (mapped == MAP_FAILED)
                 error = errno;
         }
+        if (error == 0) {
+            step = "unlink";
+            if (unlink(name) != 0) {
+                error = errno;
+                munmap(mapped, nbytes);
+                mapped = MAP_FAILED;
+            }
+        }
         if (error != 0) {
             close(file);
             unlink(name);
@@ -116,14 +126,12 @@ int rlhfz_disk_alloc(const char *dir, size_t nbytes, void **data, int *fd, char 
 
 void rlhfz_disk_free(void *data, size_t nbytes, int fd, char *path)
 {
+    /* the name went at allocation: the blocks go with the last reference */
     if (data != NULL)
         munmap(data, nbytes);
     if (fd >= 0)
         close(fd);
-    if (path != NULL) {
-        unlink(path);
-        free(path);
-    }
+    free(path);
 }
 
 int rlhfz_disk_release_pages(void *data, size_t nbytes)

@@ -47,7 +47,7 @@ typedef struct {
     /* tier external: the imported managed tensor, released on dealloc */
     void *external;
     int external_versioned;
-    /* tier disk: the open file, its path (deleted on free), the bytes mapped;
+    /* tier disk: the open file, the name it had (removed once mapped), the bytes mapped;
      * tier host: the bytes mapped on their own (0: the heap) */
     int fd;
     char *path;

@@ -7,6 +7,7 @@ import time
 
 import torch
 
+import disk_files
 import rlhfz
 from state_snapshots import resident_kib
 
@@ -56,7 +57,8 @@ def mappings() -> list[str]:
 def mapped_files_under(directory) -> list[str]:
     """Mappings of files inside directory (the disk tier's, if any leak)."""
     prefix = os.path.realpath(directory) + os.sep
-    return [line for line in mappings() if line.split()[-1].startswith(prefix)]
+    return [line for line in mappings()
+            if len(line.split(maxsplit=5)) == 6 and line.split(maxsplit=5)[5].startswith(prefix)]
 
 
 def children() -> set[int]:
@@ -164,10 +166,10 @@ def offload_soak(steps: int, directory, device="cpu") -> dict:
         soak_step(plain, plain_opt, step, device)
         target = dict(to="disk", path=directory) if step % 2 == 0 else dict(to="cpu")
         rlhfz.offload(model, opt, **target)
-        if target["to"] == "disk" and not os.listdir(directory):
+        if target["to"] == "disk" and not disk_files.held(directory):
             deviations.append((step, "nothing was written to disk"))
         rlhfz.reload(model, opt)
-        left = os.listdir(directory)
+        left = disk_files.held(directory)
         if left:
             deviations.append((step, f"files left after reload: {left}"))
         if mapped_files_under(directory):
@@ -394,4 +396,4 @@ def listening_after_workload(rank, world_size, directory):
     return {"at_init": at_init, "opened_by_torch": opened_by_torch,
             "after_optimizer": after_optimizer, "at_end": listening_sockets(),
             "new_children": sorted(children() - before_children),
-            "worked": len(exported) == 8 and not os.listdir(mine)}
+            "worked": len(exported) == 8 and not disk_files.held(mine)}

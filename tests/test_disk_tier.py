@@ -2,7 +2,8 @@
 
 A disk Buffer is a file of its own in the directory it was given, mapped
 into memory: views of it are plain host memory, its pages can be dropped
-from this process and fault back in, and freeing it deletes the file.
+from this process and fault back in. Its name is removed once it is
+mapped, so its blocks go back when it is freed or the process ends.
 """
 import os
 import subprocess
@@ -14,6 +15,7 @@ import torch
 
 import rlhfz
 from rlhfz import _C
+import disk_files
 from state_snapshots import resident_kib
 
 
@@ -21,15 +23,17 @@ def test_a_disk_buffer_is_a_file_that_goes_with_it(tmp_path):
     buffer = _C.Buffer(1000, "disk", path=tmp_path)
     assert buffer.tier == "disk" and buffer.nbytes == 1000
     assert os.path.dirname(buffer.path) == str(tmp_path)
-    assert os.listdir(tmp_path) == [os.path.basename(buffer.path)]
-    assert os.path.getsize(buffer.path) >= 1000
+    # its name is gone at once: a process that dies leaves nothing behind
+    assert os.listdir(tmp_path) == []
+    assert disk_files.held(tmp_path) == [os.path.basename(buffer.path)]
+    assert os.path.getsize(disk_files.descriptor_path(buffer)) >= 1000
     view = torch.from_dlpack(buffer.view("float32"))
     assert bool((view == 0).all())                   # a new file reads as zeros
     view.copy_(torch.arange(250.0))
     del view
     assert buffer.exports == 0
     del buffer
-    assert os.listdir(tmp_path) == []
+    assert disk_files.held(tmp_path) == []
 
 
 def test_released_pages_leave_the_process_and_come_back(tmp_path):
@@ -90,7 +94,7 @@ def test_a_copied_export_of_disk_memory_is_host_memory(tmp_path):
     np.from_dlpack(buffer.view("float32"))[:] = 7.0
     copied = np.from_dlpack(buffer.view("float32"), copy=True)
     del buffer
-    assert os.listdir(tmp_path) == []
+    assert disk_files.held(tmp_path) == []
     assert bool((copied == 7.0).all())
 
 
@@ -110,7 +114,7 @@ def test_a_shortened_file_is_an_oserror_not_a_crash(tmp_path):
     a copy checks the file first."""
     disk = _C.Buffer(3 * 4096, "disk", path=tmp_path)
     host = _C.Buffer(3 * 4096)
-    os.truncate(disk.path, 4096)
+    os.truncate(disk_files.descriptor_path(disk), 4096)
     for copy in (lambda: host.copy_from(disk), lambda: disk.copy_from(host)):
         with pytest.raises(OSError, match="shortened it"):
             copy()
@@ -120,8 +124,10 @@ SHORTENED_FILE_SCRIPT = """
 import os, sys, tempfile
 import numpy as np
 from rlhfz import _C
+sys.path.insert(0, sys.argv[2])
+import disk_files
 disk = _C.Buffer(3 * 4096, "disk", path=tempfile.mkdtemp())
-os.truncate(disk.path, 4096)
+os.truncate(disk_files.descriptor_path(disk), 4096)
 view = disk.view("float32")
 host = _C.Buffer(3 * 4096).view("float32")
 touches = {
@@ -136,7 +142,6 @@ try:
     touches[sys.argv[1]]()
 except OSError as error:
     print("OSError", error)
-os.remove(disk.path)
 """
 
 
@@ -144,10 +149,35 @@ os.remove(disk.path)
                                    "cast_from"])
 def test_every_touch_of_a_shortened_file_is_an_oserror(touch):
     # each in a child: before the check, the touch was a SIGBUS
-    result = subprocess.run([sys.executable, "-c", SHORTENED_FILE_SCRIPT, touch],
+    result = subprocess.run([sys.executable, "-c", SHORTENED_FILE_SCRIPT, touch,
+                             os.path.dirname(os.path.abspath(__file__))],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "OSError" in result.stdout and "shortened it" in result.stdout, result.stdout
+
+
+KILLED_SCRIPT = """
+import os, signal, sys, torch, rlhfz
+model = torch.nn.Linear(256, 256)
+opt = rlhfz.ZeroAdamW(model.parameters(), stage=0)
+model(torch.randn(2, 256)).sum().backward()
+opt.step()
+rlhfz.offload(model, opt, to="disk", path=sys.argv[1])
+print(len(opt.memory_report()), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_killed_process_leaves_no_files(tmp_path):
+    """Offload files of a run that is killed (the OOM killer, a preempted
+    job) took their space until someone found and deleted them by hand."""
+    import shutil
+    free_before = shutil.disk_usage(tmp_path).free
+    result = subprocess.run([sys.executable, "-c", KILLED_SCRIPT, str(tmp_path)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == -9 and result.stdout.strip() == "5", result
+    assert os.listdir(tmp_path) == []
+    assert shutil.disk_usage(tmp_path).free >= free_before - (1 << 20)
 
 
 def test_reload_from_a_shortened_offload_file_raises_and_stays_offloaded(tmp_path):
@@ -157,8 +187,8 @@ def test_reload_from_a_shortened_offload_file_raises_and_stays_offloaded(tmp_pat
     opt.step()
     opt.offload(to="disk", path=tmp_path)
     placement = opt.placement()
-    for name in os.listdir(tmp_path):
-        os.truncate(tmp_path / name, 0)
+    for path in disk_files.descriptor_paths(tmp_path):
+        os.truncate(path, 0)
     with pytest.raises(OSError, match="shortened it"):
         opt.reload()
     assert opt.placement() == placement

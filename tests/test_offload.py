@@ -18,6 +18,7 @@ import torch
 import rlhfz
 from rlhfz import migrate
 from rlhfz.engine import host_memory
+import disk_files
 from state_snapshots import assert_same, resident_kib, snapshot
 
 WHATS = [combo for r in (1, 2, 3) for combo in itertools.combinations(
@@ -71,11 +72,11 @@ def test_every_combination_round_trips_exactly(tmp_path, what, dtype):
         names = {"optimizer": ("exp_avg", "exp_avg_sq") + (("master",) if dtype != torch.float32
                                                            else ())}.get(kind, (kind,))
         assert all(placement[name] == "disk" for name in names), placement
-    assert os.listdir(tmp_path)
+    assert disk_files.held(tmp_path)
     assert_same(before, snapshot(model, opt))          # readable where it is
     opt.reload()
     assert opt.placement() == {k: "host" for k in placement}
-    assert os.listdir(tmp_path) == []
+    assert disk_files.held(tmp_path) == []
     assert_same(before, snapshot(model, opt))
     assert identities(model, opt) == ids
 
@@ -98,9 +99,9 @@ def test_offloaded_state_cannot_step_and_reload_is_idempotent(tmp_path):
     model, opt = make()
     train_step(model, opt, 0)
     opt.offload(what="optimizer", to="disk", path=tmp_path)
-    files = sorted(os.listdir(tmp_path))
+    files = sorted(disk_files.held(tmp_path))
     opt.offload(what="optimizer", to="disk", path=tmp_path)      # already there
-    assert sorted(os.listdir(tmp_path)) == files
+    assert sorted(disk_files.held(tmp_path)) == files
     with pytest.raises(RuntimeError, match="optimizer are offloaded: call reload"):
         train_step(model, opt, 1)
     with pytest.raises(RuntimeError, match="reload"):
@@ -122,9 +123,9 @@ def test_rss_drops_on_disk_and_the_files_go_on_reload(tmp_path):
     opt.offload(to="disk", path=tmp_path)
     after = resident_kib()
     assert before - after > 0.8 * owned / 1024, (before, after, owned)
-    assert len(os.listdir(tmp_path)) == 4      # one bucket: params, grads, exp_avg, exp_avg_sq
+    assert len(disk_files.held(tmp_path)) == 4      # one bucket: params, grads, exp_avg, exp_avg_sq
     opt.reload()
-    assert os.listdir(tmp_path) == []
+    assert disk_files.held(tmp_path) == []
 
 
 def test_a_view_held_outside_is_reported(tmp_path):
@@ -170,7 +171,7 @@ def test_a_failed_allocation_midway_loses_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(migrate, "_allocator", failing)
     with pytest.raises(MemoryError, match="simulated"):
         opt.offload(to="disk", path=tmp_path)
-    assert os.listdir(tmp_path) == []                 # the two made were freed
+    assert disk_files.held(tmp_path) == []                 # the two made were freed
     assert set(opt.placement().values()) == {"host"}
     assert_same(before, snapshot(model, opt))
     monkeypatch.undo()
@@ -319,7 +320,7 @@ def test_module_tensors_the_optimizer_does_not_own_move_too(tmp_path):
     before, ids = snapshot(model, opt), identities(model, opt)
     with rlhfz.offloaded(model, opt, to="disk", path=tmp_path):
         assert model.norm.running_mean.data_ptr() != before["norm.running_mean"].data_ptr()
-        files = os.listdir(tmp_path)
+        files = disk_files.held(tmp_path)
         # the bucket's four buffers, and the norm's running_mean, running_var and
         # num_batches_tracked (int64), which the optimizer does not own
         assert len(files) == 4 + 3
@@ -329,7 +330,7 @@ def test_module_tensors_the_optimizer_does_not_own_move_too(tmp_path):
 
 def _assert_back_and_training(model, opt, directory, before, ids):
     """No file left, every value and identity as before, and a step works."""
-    assert os.listdir(directory) == []
+    assert disk_files.held(directory) == []
     assert_same(before, snapshot(model, opt))
     assert identities(model, opt) == ids
     train_step(model, opt, 1)
@@ -341,7 +342,7 @@ def test_the_context_manager_reloads_when_the_block_raises(tmp_path):
     with pytest.raises(KeyError):
         with rlhfz.offloaded(model, opt, to="disk", path=tmp_path):
             raise KeyError("inference failed")
-    assert os.listdir(tmp_path) == []
+    assert disk_files.held(tmp_path) == []
     assert set(opt.placement().values()) == {"host"}
     train_step(model, opt, 1)
 
@@ -352,29 +353,29 @@ def _reference_on_disk(path):
     reference = Net()
     before = {k: v.clone() for k, v in reference.state_dict().items()}
     rlhfz.offload(reference, to="disk", path=path)
-    assert len(os.listdir(path)) == len(before)
+    assert len(disk_files.held(path)) == len(before)
     return reference, before
 
 
 def test_a_model_without_an_optimizer(tmp_path):
     reference, before = _reference_on_disk(tmp_path)
     rlhfz.offload(reference, to="disk", path=tmp_path)       # already offloaded
-    assert len(os.listdir(tmp_path)) == len(before)
+    assert len(disk_files.held(tmp_path)) == len(before)
     rlhfz.reload(reference)
     after = reference.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
-    assert os.listdir(tmp_path) == []
+    assert disk_files.held(tmp_path) == []
 
 
 def test_a_second_module_offload_goes_where_it_names(tmp_path):
     reference, before = _reference_on_disk(tmp_path)
     rlhfz.offload(reference, to="cpu")                        # out of the files, into RAM
-    assert os.listdir(tmp_path) == []
+    assert disk_files.held(tmp_path) == []
     assert all(torch.equal(before[k], v) for k, v in reference.state_dict().items())
     rlhfz.offload(reference, to="disk", path=tmp_path)        # and back to disk
-    assert len(os.listdir(tmp_path)) == len(before)
+    assert len(disk_files.held(tmp_path)) == len(before)
     rlhfz.reload(reference)
-    assert os.listdir(tmp_path) == []
+    assert disk_files.held(tmp_path) == []
     after = reference.state_dict()
     assert all(torch.equal(before[k], after[k]) and after[k].device.type == "cpu" for k in before)
 

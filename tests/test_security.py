@@ -32,6 +32,7 @@ import torch
 import rlhfz
 from rlhfz import _C
 from rlhfz.launch import run_ranks
+import disk_files
 from state_snapshots import assert_same, snapshot
 
 import soak_workers as workers
@@ -55,8 +56,12 @@ def bit_distance(a: str, b: str) -> int:
 
 def disk_tier_mappings() -> list[str]:
     """Paths of every disk-tier file this process has mapped."""
+    paths = set()
     with open("/proc/self/maps") as f:
-        paths = {line.split()[-1] for line in f if ".buf" in line}
+        for line in f:
+            fields = line.rstrip("\n").split(maxsplit=5)
+            if len(fields) == 6 and ".buf" in fields[5]:
+                paths.add(fields[5].removesuffix(disk_files.DELETED))
     return sorted(p for p in paths if NAME.fullmatch(os.path.basename(p)))
 
 
@@ -69,12 +74,15 @@ def test_disk_tier_files_are_private_unguessable_and_where_asked(tmp_path):
     with umask(0):                     # the mode must not depend on a restrictive umask
         rlhfz.offload(model, opt, to="disk", path=tmp_path)
     try:
-        names = sorted(os.listdir(tmp_path))
+        assert os.listdir(tmp_path) == []      # names removed once mapped
+        names = disk_files.held(tmp_path)
         # params, grads, master-less fp32 moments, and the model's own buffers
         assert len(names) >= 6, names
-        for name in names:
-            info = os.lstat(tmp_path / name)
-            assert stat.S_ISREG(info.st_mode) and info.st_nlink == 1, name
+        descriptors = disk_files.descriptor_paths(tmp_path)
+        assert len(descriptors) == len(names)
+        for name, descriptor in zip(names, descriptors):
+            info = os.stat(descriptor)
+            assert stat.S_ISREG(info.st_mode) and info.st_nlink == 0, name
             assert stat.S_IMODE(info.st_mode) == 0o600, (name, oct(info.st_mode))
             assert info.st_uid == os.getuid(), name
             assert NAME.fullmatch(name), name
@@ -107,7 +115,7 @@ def test_links_planted_at_the_old_predictable_names_are_not_followed(tmp_path):
     model, opt = workers.small_model()
     workers.train(model, opt, 1)
     rlhfz.offload(model, opt, to="disk", path=offload_dir)
-    made = set(os.listdir(offload_dir)) - {p.name for p in planted}
+    made = set(disk_files.held(offload_dir)) - {p.name for p in planted}
     assert made and all(NAME.fullmatch(n) for n in made), made
     rlhfz.reload(model, opt)
     assert victim.read_bytes() == b"precious"
@@ -205,7 +213,7 @@ def test_a_name_taken_in_advance_is_skipped_not_followed(tmp_path, colliding_ran
     assert "error" not in out and out["forced"] == 1, out
     made = os.path.basename(out["path"])
     assert made != taken.name and NAME.fullmatch(made)
-    assert out["files"] == sorted([made, taken.name]) and out["after"] == [taken.name]
+    assert out["files"] == [taken.name] and out["after"] == [taken.name]
     assert victim.read_bytes() == b"precious"
     assert not (tmp_path / "created-through-the-link").exists()
     if planted == "file":
