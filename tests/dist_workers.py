@@ -809,7 +809,11 @@ class _FailsInBackward(torch.autograd.Function):
 def stage1_after_a_failed_backward(rank, world_size):
     """A backward that raises after some grads arrived (an OOM caught, say)
     runs none of its end-of-backward callbacks; the next backward still
-    averages p.grad across ranks when it ends."""
+    averages p.grad across ranks when it ends, and the step forgets what
+    the failed one left pending. Returns (the ranks' largest grad
+    difference, the pending backwards after the failure, after the step)."""
+    from rlhfz.engine import engine as engine_module
+    pending = engine_module._AVERAGES.pending
     model = make_model()
     opt = rlhfz.ZeroAdamW(model.parameters(), lr=1e-2, stage=1)
     x = torch.randn(4, 37, generator=torch.Generator().manual_seed(rank))
@@ -817,13 +821,15 @@ def stage1_after_a_failed_backward(rank, world_size):
         model[4](model[3](model[2](_FailsInBackward.apply(model[0](x))))).sum().backward()
     except RuntimeError:
         pass
+    left = len(pending)
     opt.zero_grad()
     model(x).sum().backward()
     grad = model[4].weight.grad.clone()
     everyone = [torch.empty_like(grad) for _ in range(world_size)]
     dist.all_gather(everyone, grad)
+    opt.step()
     opt.close()
-    return max(float((g - everyone[0]).abs().max()) for g in everyone)
+    return max(float((g - everyone[0]).abs().max()) for g in everyone), left, len(pending)
 
 
 def two_stage1_optimizers_in_one_backward(rank, world_size):

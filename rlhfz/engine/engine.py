@@ -499,6 +499,7 @@ class ShardEngine:
     def step(self, plans, hparams: list[dict]) -> None:
         """One AdamW step of every planned bucket (hparams: per param group,
         the kernels' keywords), then the new params to every rank."""
+        _AVERAGES.forget_failed()
         gathers = []
         factor = 1.0 if self._pending_clip is None else self._pending_clip[1]
         if factor != 1.0:
@@ -599,9 +600,9 @@ class _BackwardAverages:
     the engines were made, so that every rank meets each engine's process
     group in the same order, whatever order its grads arrived in. A
     backward that fails runs no callback and leaves its small entry (weak
-    references); the next backward is a new task. A reentrant backward
-    (activation checkpointing with use_reentrant=True) is a task of its
-    own, averaged when it ends: once per checkpointed segment."""
+    references) until the next step, when no backward runs. A reentrant
+    backward (activation checkpointing with use_reentrant=True) is a task
+    of its own, averaged when it ends: once per checkpointed segment."""
 
     def __init__(self):
         self.pending: dict[int, dict[int, weakref.ref]] = {}
@@ -616,6 +617,12 @@ class _BackwardAverages:
             torch.autograd.Variable._execution_engine.queue_callback(
                 lambda: self._run(task))
         engines.setdefault(engine.serial, weakref.ref(engine))
+
+    def forget_failed(self) -> None:
+        """Outside every backward, what is pending was left by backwards
+        that failed (their grads are averaged by the step, as stale)."""
+        if torch._C._current_graph_task_id() < 0:
+            self.pending.clear()
 
     def _run(self, task: int) -> None:
         engines = self.pending.pop(task, {})
