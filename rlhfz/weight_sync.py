@@ -769,7 +769,9 @@ def receive_weights(model, group, *, src: int = 0) -> dict:
     """Receives sync_weights' tensors from `src` (the sending trainer's
     global rank) into the model's own tensors, in place. The model is a
     plain, unsharded one; every receiver in `group` calls this. Returns
-    {"tensors", "bytes", "buckets", "seconds"}."""
+    {"tensors", "bytes", "buckets", "seconds"}. A sync refused before the
+    buckets move writes nothing; one cut off after raises CollectiveError
+    saying the model is partly written."""
     started = time.perf_counter()
     _check_src(src)
     me = dist.get_rank()
@@ -790,7 +792,15 @@ def receive_weights(model, group, *, src: int = 0) -> dict:
         raise WeightSyncError(f"receive_weights: another receiver refused the manifest: "
                               f"{verdict}")
     specs = [(tuple(t.shape), t.dtype) for t in targets]
-    _receive_buckets(buckets, specs, targets, channel)
+    try:
+        _receive_buckets(buckets, specs, targets, channel)
+    except CollectiveError as error:
+        # the buckets that came before are in the model: it is neither the
+        # old weights nor the new
+        raise CollectiveError(f"receive_weights: the sync stopped part way, so this model is "
+                              f"partly written (some tensors hold the weights sent, the rest "
+                              f"their old values): receive a whole sync before using it. "
+                              f"{error}") from error
     if manifest["checksum"]:
         mine = 0
         for bucket in buckets:                  # the bytes in the order they were sent

@@ -630,3 +630,34 @@ def channel_round_trips(rank, world_size):
         except CollectiveError as error:
             refused = str(error)
     return {"got": got, "verdicts": verdicts, "refused": refused}
+
+
+def sync_cut_off_midway(rank, world_size):
+    """Rank 0 fails after its third bucket went out; rank 1 has taken some
+    of the buckets into its model when the sync stops: its error says so."""
+    os.environ["RLHFZ_COLLECTIVE_TIMEOUT"] = "5"
+    sync = dist.new_group([0, 1])
+    if rank == 0:
+        from rlhfz.comm import channel
+        send, sent = channel.BroadcastChannel.bytes, []
+
+        def bytes_(self, flat, what):
+            if len(sent) == 3:
+                raise RuntimeError("the sender stops here")
+            sent.append(what)
+            return send(self, flat, what)
+        channel.BroadcastChannel.bytes = bytes_
+        try:
+            rlhfz.sync_weights(tiny_lm("gpt2"), sync, src=0, bucket_bytes=4096)
+        except RuntimeError as error:
+            return str(error)
+        return None
+    receiver = tiny_lm("gpt2", seed=3)
+    before = _params(receiver)
+    error = None
+    try:
+        rlhfz.receive_weights(receiver, sync, src=0)
+    except rlhfz.comm.CollectiveError as caught:
+        error = str(caught)
+    changed = sum(not torch.equal(before[n], p) for n, p in _params(receiver).items())
+    return {"error": error, "changed": changed, "params": len(before)}
