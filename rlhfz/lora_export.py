@@ -104,6 +104,26 @@ def merged(weight: torch.Tensor, layer, adapters) -> torch.Tensor:
     return value
 
 
+def active_adapter_names(peft_model) -> set:
+    """The state-dict names of the tensors a PEFT model's active adapters
+    hold: their own weights (`<prefix>*.<adapter>`, e.g. lora_A.default)
+    and the modules_to_save copies in use (modules_to_save.<adapter>)."""
+    # the tuner's (LoraModel: "lora_"), of a PeftModel or of the tuner itself
+    prefix = getattr(getattr(peft_model, "base_model", None), "prefix", None)
+    if not isinstance(prefix, str):
+        prefix = getattr(peft_model, "prefix", None)
+    prefix = prefix if isinstance(prefix, str) and prefix else None
+    active = set(getattr(peft_model, "active_adapters", None) or ())
+    names = set()
+    for name in peft_model.state_dict(keep_vars=True):
+        parts = name.split(".")
+        if any(part in active and (parts[i - 1] == "modules_to_save"
+                                   or (prefix and parts[i - 1].startswith(prefix)))
+               for i, part in enumerate(parts) if i):
+            names.add(name)
+    return names
+
+
 def adapter_units(layer, unit_of: dict) -> set:
     """Units that hold the layer's adapter params (gathered for a merge)."""
     return {unit_of[id(p)] for name, p in layer.named_parameters()

@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from .comm.channel import BroadcastChannel, in_group
 from .comm.control import CollectiveError
-from .lora_export import adapter_units, is_peft, merged
+from .lora_export import active_adapter_names, adapter_units, is_peft, merged
 from .model_state import unwrapped, whole_shape
 from .optim import owning_optimizer
 from .pretrained import export_entries
@@ -278,8 +278,10 @@ def _entries(record, inner, adapters: str):
         unit_of = ({id(p): u for u, (_, buckets) in enumerate(record.stage3.units)
                     for b in buckets for p in b.params}
                    if record is not None and record.stage3 is not None else {})
+        # the active adapters, trained or frozen, and whatever else trains
+        adapter = active_adapter_names(inner)
         entries = [(unit_of.get(id(p)), name, p, None)
-                   for name, p in inner.named_parameters() if p.requires_grad]
+                   for name, p in inner.named_parameters() if p.requires_grad or name in adapter]
         return sorted(entries, key=lambda e: -1 if e[0] is None else e[0]), unit_of
     _, entries, unit_of = export_entries(record, inner)
     return entries, unit_of
@@ -727,7 +729,11 @@ def _check_manifest(manifest, record, inner) -> tuple[list, list, str | None]:
     sent = [name for name, _, _ in manifest["tensors"]]
     missing = [n for n in sent if n not in mine]
     named = set(sent)
-    extra = [n for n in mine if n not in named] if manifest["adapters"] != "only" else []
+    # adapters alone: every active adapter of a PEFT receiver must come (one
+    # left out keeps its old values and changes what the model computes)
+    ours = (mine if manifest["adapters"] != "only" else
+            active_adapter_names(inner) if is_peft(inner) else ())
+    extra = [n for n in mine if n in ours and n not in named]
     wrong, unwritable, targets = [], [], []
     for name, shape, dtype in manifest["tensors"]:
         t = mine.get(name)

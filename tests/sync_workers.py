@@ -661,3 +661,42 @@ def sync_cut_off_midway(rank, world_size):
         error = str(caught)
     changed = sum(not torch.equal(before[n], p) for n, p in _params(receiver).items())
     return {"error": error, "changed": changed, "params": len(before)}
+
+
+def _logits_of(model):
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=PROMPT).logits
+
+
+def sync_adapters_apart(rank, world_size):
+    """adapters='only' from rank 0 to rank 1 where the sides' adapters part
+    ways: the receiver holds LoRA on a layer the sender has none on (its
+    adapters there would stay as they were: refused); then the sender has
+    frozen the LoRA of one of its layers (still active, so still sent)."""
+    from peft import LoraConfig, get_peft_model
+    os.environ["RLHFZ_COLLECTIVE_TIMEOUT"] = "20"
+    sync = dist.new_group([0, 1])
+
+    def lora(seed, targets):
+        base = tiny_lm("gpt2")                  # one base: only the adapters differ
+        torch.manual_seed(seed + 1)
+        return get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                               fan_in_fan_out=True, init_lora_weights=False))
+    errors = []
+    if rank == 0:
+        _attempt(errors, rlhfz.sync_weights, lora(0, ["c_attn"]), sync, src=0, adapters="only",
+                 checksum=True)
+        model = lora(0, ["c_attn", "c_fc"])
+        for name, p in model.named_parameters():
+            if "c_fc.lora_" in name:
+                p.requires_grad_(False)
+        _attempt(errors, rlhfz.sync_weights, model, sync, src=0, adapters="only",
+                 checksum=True)
+        return {"errors": errors, "logits": _logits_of(model)}
+    receiver = lora(5, ["c_attn", "c_fc"])
+    before = _params(receiver)
+    _attempt(errors, rlhfz.receive_weights, receiver, sync, src=0)
+    untouched = all(torch.equal(before[n], p) for n, p in _params(receiver).items())
+    _attempt(errors, rlhfz.receive_weights, receiver, sync, src=0)
+    return {"errors": errors, "untouched": untouched, "logits": _logits_of(receiver)}
