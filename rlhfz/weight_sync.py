@@ -37,7 +37,8 @@ Stage3.gathers_onto).
    verified, bit-exact sync.
 
 dtype= casts floating tensors on the way (e.g. fp32 masters to a bf16
-engine); integer buffers go as they are. For a PEFT LoRA model,
+engine), every one that torch's module.to(dtype) casts (float64 buffers
+too); integer and bool buffers go as they are. For a PEFT LoRA model,
 adapters="merged" sends the base weights with the adapters folded in,
 under the base model's names; "only" sends the adapters' params.
 """
@@ -300,7 +301,8 @@ class _Sender:
         self.memory = {}                 # home -> (its gathered bucket or None, a tensor in it)
         planned = []
         for unit, name, t, merge in entries:
-            sent = dtype if dtype is not None and t.dtype in _FLOATS else t.dtype
+            # every floating tensor, as torch's module.to(dtype) casts them
+            sent = dtype if dtype is not None and t.is_floating_point() else t.dtype
             shape = tuple(whole_shape(slots, t))
             home = None if merge is not None or sent != t.dtype else self._home(slots, t)
             planned.append(((unit, name, t, merge), (shape, sent), home))

@@ -700,3 +700,32 @@ def sync_adapters_apart(rank, world_size):
     untouched = all(torch.equal(before[n], p) for n, p in _params(receiver).items())
     _attempt(errors, rlhfz.receive_weights, receiver, sync, src=0)
     return {"errors": errors, "untouched": untouched, "logits": _logits_of(receiver)}
+
+
+class _WithBuffers(torch.nn.Module):
+    """A linear layer beside integer, bool and float64 buffers."""
+
+    def __init__(self, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("count", torch.randint(0, 100, (3,)))
+        self.register_buffer("mask", torch.rand(3) > 0.5)
+        self.register_buffer("fine", torch.rand(3, dtype=torch.float64))
+
+
+def sync_cast_buffers(rank, world_size):
+    """dtype=bfloat16 from rank 0 to a receiver that torch's .to(bfloat16)
+    made: every floating tensor is cast, float64 too; the others go as
+    they are."""
+    sync = dist.new_group([0, 1])
+    if rank == 0:
+        model = _WithBuffers(0)
+        rlhfz.sync_weights(model, sync, src=0, dtype=torch.bfloat16, checksum=True)
+        return model.to(torch.bfloat16).state_dict()
+    receiver = _WithBuffers(1).to(torch.bfloat16)
+    try:
+        rlhfz.receive_weights(receiver, sync, src=0)
+    except rlhfz.WeightSyncError as error:
+        return str(error)
+    return receiver.state_dict()

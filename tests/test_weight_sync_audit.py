@@ -27,3 +27,12 @@ def test_adapters_alone_cover_every_active_adapter_of_both_sides():
         assert "in this model but not sent" in error and "c_fc.lora_A" in error, error
     assert receiver["untouched"]
     assert torch.equal(receiver["logits"], sender["logits"])
+
+
+def test_dtype_casts_every_floating_tensor_as_torch_does():
+    sender, receiver = run_ranks(workers.sync_cast_buffers, 2, timeout=120)
+    assert isinstance(receiver, dict), receiver
+    assert receiver.keys() == sender.keys()
+    for name, value in sender.items():
+        assert receiver[name].dtype == value.dtype and torch.equal(receiver[name], value), name
+    assert receiver["fine"].dtype == torch.bfloat16 and receiver["count"].dtype == torch.int64
