@@ -97,10 +97,18 @@ def merge_plan(peft_model):
 
 
 def merged(weight: torch.Tensor, layer, adapters) -> torch.Tensor:
-    """The base weight with the adapters' deltas added, as PEFT merges them."""
+    """The base weight with the adapters' deltas added, as PEFT merges them
+    (merge_and_unload's merge): an embedding's delta is cast to the
+    weight's dtype first; a linear or convolution layer's is added as it
+    is, so fp32 adapters on a bf16 base (PEFT's autocast_adapter_dtype) are
+    added in fp32 and rounded once."""
+    from peft.tuners.lora import layer as lora_layer
+    cast_first = isinstance(layer, lora_layer.Embedding)
     value = weight.detach().clone()
-    for adapter in adapters:
-        value += layer.get_delta_weight(adapter).to(value.dtype)
+    with torch.no_grad():
+        for adapter in adapters:
+            delta = layer.get_delta_weight(adapter)
+            value += delta.to(value.dtype) if cast_first else delta
     return value
 
 
