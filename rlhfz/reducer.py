@@ -155,9 +155,26 @@ class GradReducer:
         for bucket in self.buckets:
             self._of(bucket).open(len(bucket.params))
         try:
-            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ends)
         except RuntimeError:
             pass    # not inside backward (a grad set by hand): step() flushes
+
+    def _backward_ends(self) -> None:
+        """The backward that opened the round ended. A reentrant backward
+        (activation checkpointing with use_reentrant=True) runs inside a node
+        of an outer one, which goes on after it: the round stays open, so
+        the outer backward's grads join it, and ends with the outermost.
+        Flushing here would launch every bucket once per checkpointed
+        segment (zeros where no grad came) and, at stage 3, release units
+        whose params the outer backward still reads."""
+        node = torch._C._current_autograd_node()
+        if node is None:
+            self.flush()
+            return
+
+        def outer_node_done(*_):
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ends)
+        node.register_hook(outer_node_done)
 
     def _stage(self, bucket: Bucket) -> torch.Tensor:
         """The staging tensor that holds this bucket's grads in this round."""
