@@ -27,3 +27,37 @@ def test_a_reentrant_checkpoint_inside_a_unit_reduces_once_per_backward(stage):
         # one reduce-scatter per bucket and backward, as without checkpointing
         assert r["per_backward"] == [r["buckets"]] * steps
         assert r["gathered"] == ([0] * steps if stage == 3 else [])
+
+
+def _checkpointing(model):
+    """Per module: whether it checkpoints, and with what."""
+    return [(name, module.gradient_checkpointing,
+             getattr(getattr(module, "_gradient_checkpointing_func", None), "keywords", None))
+            for name, module in model.named_modules() if hasattr(module, "gradient_checkpointing")]
+
+
+def test_unwrap_for_generation_gives_back_the_checkpointing_it_found():
+    """Inside, no layer checkpoints; after, each layer checkpoints as before,
+    with the same options (they were re-enabled with transformers' defaults:
+    use_reentrant=True became False, every_n_layers=2 became every layer)."""
+    pytest.importorskip("transformers")
+    import warnings
+    import stage3_workers
+    from rlhfz.integrations.trl import unwrap_model_for_generation
+    model = stage3_workers.tiny_lm("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True},
+                                            every_n_layers=2)
+    before = _checkpointing(model)
+    assert [flag for _, flag, _ in before if flag] and not all(flag for _, flag, _ in before)
+    with unwrap_model_for_generation(model, None) as unwrapped:
+        assert unwrapped is model
+        assert not any(flag for _, flag, _ in _checkpointing(model))
+    assert _checkpointing(model) == before
+    try:
+        with unwrap_model_for_generation(model, None):
+            raise RuntimeError("inference engine crashed")
+    except RuntimeError:
+        pass
+    assert _checkpointing(model) == before

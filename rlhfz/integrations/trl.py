@@ -36,13 +36,19 @@ def unwrap_model_for_generation(model, accelerator=None, gather_deepspeed3_param
                                 generation_kwargs: dict | None = None):
     unwrapped = accelerator.unwrap_model(model) if accelerator is not None else unwrap_model(model)
     unwrapped = unwrap_model(unwrapped)
-    checkpointing = bool(getattr(unwrapped, "is_gradient_checkpointing", False))
-    if checkpointing:
-        unwrapped.gradient_checkpointing_disable()
+    # transformers' modules checkpoint where their gradient_checkpointing
+    # flag is set: turned off here and back on at the end, each module keeps
+    # the options it was enabled with (use_reentrant, every_n_layers,
+    # offload). Disabling and re-enabling through the model would re-enable
+    # with transformers' defaults instead.
+    checkpointing = [m for m in unwrapped.modules() if getattr(m, "gradient_checkpointing", False)
+                     is True]
+    for module in checkpointing:
+        module.gradient_checkpointing = False
     try:
         with gather_for_generation(unwrapped, enabled=bool(gather_deepspeed3_params)), \
                 _generation_config(unwrapped, generation_kwargs):
             yield unwrapped
     finally:
-        if checkpointing:
-            unwrapped.gradient_checkpointing_enable()
+        for module in checkpointing:
+            module.gradient_checkpointing = True
