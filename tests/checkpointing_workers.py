@@ -1,4 +1,4 @@
-"""Per-rank bodies of the activation-checkpointing and PEFT audit tests
+"""Per-rank bodies of the activation-checkpointing tests
 (importable by spawned ranks)."""
 import torch
 from torch.utils.checkpoint import checkpoint
