@@ -82,6 +82,20 @@ class _CountingComm:
         return getattr(self.comm, name)
 
 
+class _CountingAverages:
+    """Stage 1's end-of-backward averages of an engine, counted (one per
+    bucket, as the reduce-scatters of stages 2 and 3)."""
+
+    def __init__(self, engine):
+        self.reduce_scatters = 0
+        average = engine.average_grads
+
+        def counted():
+            self.reduce_scatters += sum(1 for b in engine.buckets if b.trainable)
+            average()
+        engine.average_grads = counted
+
+
 def partly_checkpointed(rank, world_size, stage, reentrant, steps):
     """Trains on this rank's rows; the whole params, the reduce-scatters
     each backward issued, and the bytes still gathered after each step."""
@@ -91,14 +105,20 @@ def partly_checkpointed(rank, world_size, stage, reentrant, steps):
         opt = rlhfz.ZeroAdamW(model, stage=3, lr=1e-2, param_persistence_threshold=0)
     else:
         opt = rlhfz.ZeroAdamW(trainable, stage=stage, lr=1e-2)
-    counting = _CountingComm(opt.engine.reducer.comm)
-    opt.engine.reducer.comm = counting
+    if stage == 1:
+        # stage 1 averages whole buckets: one round of all-reduces a backward
+        counting = _CountingAverages(opt.engine)
+    else:
+        counting = _CountingComm(opt.engine.reducer.comm)
+        opt.engine.reducer.comm = counting
     per_backward, gathered = [], []
     for x in batches(steps):
         opt.zero_grad()
         counting.reduce_scatters = 0
         model(x[rank::world_size]).backward()
         per_backward.append(counting.reduce_scatters)
+        if stage == 1:      # what the step would see: the mean, in p.grad
+            per_backward[-1] = (per_backward[-1], [p.grad.clone() for p in trainable])
         opt.step()
         if stage == 3:
             gathered.append(opt.stage3.gathered_bytes())

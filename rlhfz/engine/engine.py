@@ -602,7 +602,9 @@ class _BackwardAverages:
     backward that fails runs no callback and leaves its small entry (weak
     references) until the next step, when no backward runs. A reentrant
     backward (activation checkpointing with use_reentrant=True) is a task
-    of its own, averaged when it ends: once per checkpointed segment."""
+    of its own, run inside a node of the outer one: its engines join the
+    outer task once that node is done, so the average comes once, when
+    the outermost backward ends."""
 
     def __init__(self):
         self.pending: dict[int, dict[int, weakref.ref]] = {}
@@ -626,6 +628,15 @@ class _BackwardAverages:
 
     def _run(self, task: int) -> None:
         engines = self.pending.pop(task, {})
+        outer = torch._C._current_autograd_node()
+        if outer is not None:
+            def outer_node_done(*_):
+                for ref in engines.values():
+                    engine = ref()
+                    if engine is not None:
+                        self.add(engine)
+            outer.register_hook(outer_node_done)
+            return
         for serial in sorted(engines):
             engine = engines[serial]()
             if engine is not None:
