@@ -213,7 +213,25 @@ static PyObject *CudaEvent_new(PyTypeObject *type, PyObject *args, PyObject *kwa
     return handle_new(type, args, kwargs, 0);
 }
 
-/* record(stream=None): the event completes when the stream's work queued so far does. */
+#ifdef RLHFZ_WITH_CUDA
+/* Runs an event call with the event's device current: the legacy default
+ * stream (a NULL handle, torch's default stream) is the current device's,
+ * and the event's device is the one the caller means, whichever is current
+ * in this thread. */
+static rlhfz_status on_event_device(rlhfz_CudaEvent *self, void *stream, int record)
+{
+    int previous = self->device;
+    rlhfz_status status = rlhfz_device_enter(self->device, &previous);
+    if (status != RLHFZ_OK)
+        return status;
+    status = record ? rlhfz_cuda_event_record(self->handle, stream)
+                    : rlhfz_cuda_stream_wait_event(stream, self->handle);
+    return rlhfz_device_leave(self->device, previous, status);
+}
+#endif
+
+/* record(stream=None): the event completes when the stream's work queued so
+ * far does; None or 0 is the event's device's default stream. */
 static PyObject *CudaEvent_record(rlhfz_CudaEvent *self, PyObject *const *args, Py_ssize_t nargs,
                                   PyObject *kwnames)
 {
@@ -228,7 +246,7 @@ static PyObject *CudaEvent_record(rlhfz_CudaEvent *self, PyObject *const *args, 
 #ifdef RLHFZ_WITH_CUDA
     rlhfz_status status;
     Py_BEGIN_ALLOW_THREADS
-    status = rlhfz_cuda_event_record(self->handle, stream);
+    status = on_event_device(self, stream, 1);
     Py_END_ALLOW_THREADS
     if (status != RLHFZ_OK) {
         rlhfz_raise_cuda("CudaEvent.record");
@@ -238,7 +256,8 @@ static PyObject *CudaEvent_record(rlhfz_CudaEvent *self, PyObject *const *args, 
     Py_RETURN_NONE;
 }
 
-/* wait(stream=None): work queued on the stream from now on waits for the event. */
+/* wait(stream=None): work queued on the stream from now on waits for the
+ * event; None or 0 is the event's device's default stream. */
 static PyObject *CudaEvent_wait(rlhfz_CudaEvent *self, PyObject *const *args, Py_ssize_t nargs,
                                 PyObject *kwnames)
 {
@@ -253,7 +272,7 @@ static PyObject *CudaEvent_wait(rlhfz_CudaEvent *self, PyObject *const *args, Py
 #ifdef RLHFZ_WITH_CUDA
     rlhfz_status status;
     Py_BEGIN_ALLOW_THREADS
-    status = rlhfz_cuda_stream_wait_event(stream, self->handle);
+    status = on_event_device(self, stream, 0);
     Py_END_ALLOW_THREADS
     if (status != RLHFZ_OK) {
         rlhfz_raise_cuda("CudaEvent.wait");

@@ -265,6 +265,33 @@ def test_device_allocation_zeroes_on_its_own_device():
     assert "ok" in child.stdout
 
 
+def test_an_event_on_the_default_stream_is_its_own_devices():
+    """CudaEvent.record and .wait on the default stream (torch's, handle 0)
+    mean the event's device's default stream, whichever device is current:
+    a rank whose params are on device 1 while device 0 is current records
+    its events there (on a GPU, as here, the current device's default
+    stream would be another device's, and the call would fail)."""
+    child = run_child("""
+        from rlhfz import _C
+        assert _C.cuda_get_device() == 0
+        event = _C.CudaEvent(1)
+        event.record(0)
+        event.wait(0)
+        event.record(None)
+        event.synchronize()
+        assert event.query() and _C.cuda_get_device() == 0
+        stream = _C.CudaStream(0)
+        try:
+            event.record(stream)
+        except RuntimeError as error:
+            print("other device's stream:", error)
+        print("ok")
+    """, RLHFZ_SIM_DEVICES=2)
+    assert child.returncode == 0, child.stderr
+    assert "other device's stream: CudaEvent.record" in child.stdout
+    assert "ok" in child.stdout
+
+
 def test_chaos_delays_the_order_not_the_results():
     code = """
         import struct, torch
