@@ -5,8 +5,9 @@ order, or raises with the failing ranks' tracebacks. The worker must be
 importable by the spawned processes (defined at a module's top level); it is
 called as worker(rank, world_size, *args) inside an initialized gloo group,
 with the machine's cores split between the ranks, in the caller's
-environment as it is at the call. Used by the demo and the multi-process
-tests.
+environment as it is at the call, with LOCAL_RANK set to the rank (all ranks
+are on this machine), as torchrun sets it. Used by the demo and the
+multi-process tests.
 
 Ranks fork from a server that imported torch once (multiprocessing's
 forkserver), so a rank starts in a fraction of a second, not the seconds an
@@ -87,6 +88,9 @@ def _context():
 def _entry(worker, rank, world_size, store_path, results, args):
     import torch.distributed as dist
     os.environ.setdefault("RLHFZ_COLLECTIVE_TIMEOUT", str(COLLECTIVE_TIMEOUT_S))
+    # every rank is on this machine: its local rank is its rank (a GPU
+    # program picks its device by it; the simulated build, RLHFZ_SIM_DEVICE=local_rank)
+    os.environ["LOCAL_RANK"] = str(rank)
     try:
         _share_cores(world_size)
         dist.init_process_group(

@@ -857,3 +857,11 @@ def raise_or_exit(rank, world_size, exits):
     if exits:
         return rank
     raise ValueError(f"rank {rank} refuses")
+
+
+def local_rank_and_device(rank, world_size):
+    """The LOCAL_RANK run_ranks gave this rank, and the simulated device
+    RLHFZ_SIM_DEVICE=local_rank picks from it."""
+    from rlhfz.engine.backends import simulated_device
+    os.environ["RLHFZ_SIM_DEVICE"] = "local_rank"
+    return os.environ.get("LOCAL_RANK"), simulated_device()

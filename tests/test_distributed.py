@@ -143,6 +143,23 @@ def test_run_ranks_says_what_happened_to_the_ranks():
                        "(exit codes [3])"), message
 
 
+def test_run_ranks_gives_each_rank_its_local_rank(monkeypatch):
+    """All of run_ranks' ranks are on this machine: LOCAL_RANK is the rank,
+    as torchrun sets it, and RLHFZ_SIM_DEVICE=local_rank puts each rank on
+    the simulated device of that number (NCCL takes no two ranks on one)."""
+    from rlhfz.engine.backends import simulated_device
+    monkeypatch.setenv("LOCAL_RANK", "7")            # the caller's own is not the ranks'
+    assert run_ranks(workers.local_rank_and_device, 3) == [("0", 0), ("1", 1), ("2", 2)]
+    monkeypatch.setenv("RLHFZ_SIM_DEVICE", "local_rank")
+    assert simulated_device() == 7
+    monkeypatch.delenv("LOCAL_RANK")
+    with pytest.raises(ValueError, match="RLHFZ_SIM_DEVICE=local_rank needs LOCAL_RANK"):
+        simulated_device()
+    monkeypatch.setenv("RLHFZ_SIM_DEVICE", "first")
+    with pytest.raises(ValueError, match="a device ordinal or 'local_rank', not 'first'"):
+        simulated_device()
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_every_rank_starts_from_the_first_ranks_values(stage):
     results = run_ranks(workers.start_from_first_rank, 3, stage)

@@ -14,7 +14,8 @@ the simulator's host alias, and "torch's current stream" is the default
 stream, whose work runs inline, since torch's CPU ops are synchronous.
 rlhfz's own streams (copies, collectives) stay asynchronous. It is chosen
 by one explicit switch, RLHFZ_SIM_DEVICE=<ordinal>: params on the CPU then
-get their buckets on that simulated device.
+get their buckets on that simulated device (RLHFZ_SIM_DEVICE=local_rank: each
+rank on its own, LOCAL_RANK).
 """
 from __future__ import annotations
 
@@ -252,14 +253,25 @@ class SimulatedCudaBackend(CudaBackend):
 
 
 def simulated_device() -> int | None:
-    """The simulated device RLHFZ_SIM_DEVICE places CPU params' buckets on, or None."""
+    """The simulated device RLHFZ_SIM_DEVICE places CPU params' buckets on,
+    or None. "local_rank" is the rank's own device, LOCAL_RANK (which
+    torchrun and rlhfz.launch.run_ranks set), as a GPU program makes
+    cuda:LOCAL_RANK current: NCCL takes no two ranks on one device."""
     text = os.environ.get(SIM_DEVICE_ENV, "").strip()
     if not text:
         return None
+    if text == "local_rank":
+        local = os.environ.get("LOCAL_RANK", "").strip()
+        if not local.isdigit():
+            raise ValueError(f"{SIM_DEVICE_ENV}=local_rank needs LOCAL_RANK, the rank's index on "
+                             f"its machine (torchrun and rlhfz.launch.run_ranks set it), not "
+                             f"{local!r}: set it, or give {SIM_DEVICE_ENV} a device ordinal")
+        return int(local)
     try:
         return int(text)
     except ValueError:
-        raise ValueError(f"{SIM_DEVICE_ENV} must be a device ordinal, not {text!r}") from None
+        raise ValueError(f"{SIM_DEVICE_ENV} must be a device ordinal or 'local_rank', not "
+                         f"{text!r}") from None
 
 
 def backend_for(device: torch.device):
