@@ -171,6 +171,23 @@ def refused_constructor(rank, world_size):
     return {"refused": refused, "watchdogs": len(watchdogs)}
 
 
+def one_device_for_all(rank, world_size):
+    """ZeroAdamW(collectives="nccl") with every rank on one device: what
+    the constructor raises (NCCL refuses the communicator), and whether a
+    communicator or watchdog was left behind."""
+    import threading
+    import time
+    model = Net()
+    started = time.monotonic()
+    try:
+        rlhfz.ZeroAdamW(model.parameters(), stage=2, collectives="nccl")
+        raised = None
+    except Exception as error:      # noqa: BLE001 - the test checks which
+        raised = f"{type(error).__name__}: {error}"
+    watchdogs = [t for t in threading.enumerate() if t.name == "rlhfz-nccl-watchdog"]
+    return {"raised": raised, "after_s": time.monotonic() - started, "watchdogs": len(watchdogs)}
+
+
 def gather_then_peer_dies(rank, world_size, victim, out_dir):
     """Stage 3: the ranks gather for generation (the buffers it frees are
     released later, from a pending call), then the victim dies before the

@@ -41,6 +41,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _own_devices(monkeypatch, world_size):
+    """Each rank on a simulated device of its own (cuda:LOCAL_RANK on a
+    GPU): NCCL, and so its stand-in, takes no two ranks on one device."""
+    monkeypatch.setenv("RLHFZ_SIM_DEVICES", str(world_size))
+    monkeypatch.setenv("RLHFZ_SIM_DEVICE", "local_rank")
+
+
 @pytest.fixture
 def world_of_one(monkeypatch):
     import torch.distributed as dist
@@ -106,7 +113,7 @@ def test_native_collectives_round_trip(world_of_one):
 def test_native_engine_trains_as_the_torch_engine(monkeypatch, world_size, stage, dtype):
     """Ranks on simulated devices: the native engine's reduce-scatters and
     all-gathers (NCCL's average is a premultiplied sum) against gloo's."""
-    monkeypatch.setenv("RLHFZ_SIM_DEVICE", "0")
+    _own_devices(monkeypatch, world_size)
     native = run_ranks(workers.train, world_size, "nccl", stage, dtype)
     reference = run_ranks(workers.train, world_size, "torch", stage, dtype)
     assert native[0]["comm"] == "NativeNcclCommunicator"
@@ -117,6 +124,26 @@ def test_native_engine_trains_as_the_torch_engine(monkeypatch, world_size, stage
             torch.testing.assert_close(value, reference[rank]["params"][name], rtol=tolerance,
                                        atol=tolerance, msg=lambda m: f"rank {rank}, {name}: {m}")
             assert torch.equal(value, native[0]["params"][name])    # every rank the same
+
+
+@needs_simulator
+@needs_nccl
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ranks_sharing_a_device_are_refused(monkeypatch, world_size):
+    """NCCL refuses a communicator with two ranks on one device (Duplicate
+    GPU detected); so does its stand-in, on every rank, at once: each
+    constructor raises, none hangs, and nothing is left behind."""
+    monkeypatch.setenv("RLHFZ_SIM_DEVICES", str(world_size))
+    monkeypatch.setenv("RLHFZ_SIM_DEVICE", "0")
+    monkeypatch.setenv("RLHFZ_COLLECTIVE_TIMEOUT", "20")
+    outcomes = run_ranks(workers.one_device_for_all, world_size, timeout=60)
+    for rank, out in enumerate(outcomes):
+        assert out["raised"] is not None, out
+        assert "ncclInvalidUsage" in out["raised"], out
+        other = 1 if rank == 0 else 0
+        assert f"Duplicate GPU detected : rank {rank} and rank {other} both on CUDA device 0" \
+            in out["raised"], out
+        assert out["after_s"] < 15 and out["watchdogs"] == 0, out
 
 
 def _survivors(tmp_path, world_size, victim):
@@ -140,7 +167,7 @@ def test_a_rank_killed_mid_training_makes_the_others_raise(monkeypatch, tmp_path
     control group's agreement), every other rank raises CollectiveError
     within the timeout."""
     timeout = 6
-    monkeypatch.setenv("RLHFZ_SIM_DEVICE", "0")
+    _own_devices(monkeypatch, world_size)
     monkeypatch.setenv("RLHFZ_COLLECTIVE_TIMEOUT", str(timeout))
     victim = world_size - 1
     with pytest.raises(RuntimeError, match=rf"ranks \[{victim}\] gave no result"):
@@ -158,7 +185,7 @@ def test_the_watchdog_aborts_a_collective_a_dead_rank_never_joins(monkeypatch, t
     NCCL (and its stand-in) waits for the dead rank forever; the watchdog
     aborts the communicator at the timeout and the wait raises."""
     timeout = 4
-    monkeypatch.setenv("RLHFZ_SIM_DEVICE", "0")
+    _own_devices(monkeypatch, world_size)
     monkeypatch.setenv("RLHFZ_COLLECTIVE_TIMEOUT", str(timeout))
     victim = 1
     with pytest.raises(RuntimeError, match=rf"ranks \[{victim}\] gave no result"):
@@ -176,7 +203,7 @@ def test_an_error_nccl_flags_raises_at_the_first_wait(monkeypatch):
     """Different sizes on the two ranks: the stand-in flags the error, and
     the wait that would hand back an unreduced tensor raises instead. The
     communicator is aborted then; destroy() releases the rest."""
-    monkeypatch.setenv("RLHFZ_SIM_DEVICE", "0")
+    _own_devices(monkeypatch, 2)
     monkeypatch.setenv("RLHFZ_COLLECTIVE_TIMEOUT", "20")
     for out in run_ranks(workers.mismatched_sizes_then_destroy, 2):
         assert out["first"] is not None and "NCCL" in out["first"], out
@@ -188,7 +215,7 @@ def test_an_error_nccl_flags_raises_at_the_first_wait(monkeypatch):
 @needs_simulator
 @needs_nccl
 def test_a_refused_constructor_leaves_no_communicator(monkeypatch):
-    monkeypatch.setenv("RLHFZ_SIM_DEVICE", "0")
+    _own_devices(monkeypatch, 2)
     for out in run_ranks(workers.refused_constructor, 2):
         assert out["refused"] is not None and out["watchdogs"] == 0, out
 
@@ -200,7 +227,7 @@ def test_a_peer_dying_after_a_gather_for_generation_raises(monkeypatch, tmp_path
     waits for the collectives queued before it: those are watched from
     before their launch, so the watchdog still aborts them at the timeout."""
     timeout = 6
-    monkeypatch.setenv("RLHFZ_SIM_DEVICE", "0")
+    _own_devices(monkeypatch, 2)
     monkeypatch.setenv("RLHFZ_COLLECTIVE_TIMEOUT", str(timeout))
     with pytest.raises(RuntimeError, match=r"ranks \[1\] gave no result"):
         run_ranks(workers.gather_then_peer_dies, 2, 1, str(tmp_path), timeout=90)
@@ -211,7 +238,7 @@ def test_a_peer_dying_after_a_gather_for_generation_raises(monkeypatch, tmp_path
 @needs_simulator
 @needs_nccl
 def test_a_collective_refused_at_launch_is_a_collective_error(monkeypatch):
-    monkeypatch.setenv("RLHFZ_SIM_DEVICE", "0")
+    _own_devices(monkeypatch, 2)
     monkeypatch.setenv("RLHFZ_COLLECTIVE_TIMEOUT", "6")
     for out in run_ranks(workers.launch_fails, 2, 0):
         assert out["raised"] is not None and out["unchanged"] and out["state"] == 0, out

@@ -435,9 +435,10 @@ if rank == 0:
     publish("uid", uid)
 else:
     uid = wait_for("uid")
-comm = _C.NcclComm(uid, 2, rank, 0)
+_C.cuda_set_device(rank)          # a device per rank: NCCL takes no two ranks on one
+comm = _C.NcclComm(uid, 2, rank, rank)
 n = 256
-buf = _C.Buffer(4 * n, "device")
+buf = _C.Buffer(4 * n, "device", device=rank)
 data, nothing = buf.view("float32"), buf.view("float32", 0, (0,))
 x = floats(buf)
 x[:] = rank + 1
@@ -482,7 +483,7 @@ comm.check()
 
 # the ranks disagree on the count: NCCL notices it on the stream, and destroy
 # then aborts instead of waiting, and says why
-stream = _C.CudaStream(0)
+stream = _C.CudaStream(rank)
 part = data if rank == 0 else buf.view("float32", 0, (n // 2,))
 comm.all_reduce(part, part, "sum", stream=stream)
 stream.synchronize()
@@ -496,7 +497,8 @@ def test_two_threads_and_an_asynchronous_error(tmp_path):
     folder = tempfile.mkdtemp(dir=tmp_path)
     code = PRELUDE + textwrap.dedent(TWO_RANKS)
     procs = [subprocess.Popen([sys.executable, "-c", code, str(rank), folder],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, RLHFZ_SIM_DEVICES="2"))
              for rank in range(2)]
     outputs = []
     deadline = time.monotonic() + CHILD_TIMEOUT_S

@@ -59,6 +59,8 @@ import rlhfz
 from rlhfz import _C
 
 RANK, WORLD, ID_PATH = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+# each rank on a device of its own, as NCCL needs (the children get RLHFZ_SIM_DEVICES >= WORLD)
+DEVICE = RANK
 PARAMS = json.loads(sys.argv[4])
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -77,12 +79,12 @@ def unique_id():
         return f.read()
 
 
-def connect(device=0):
+def connect(device=DEVICE):
     _C.cuda_set_device(device)
     return _C.NcclComm(unique_id(), WORLD, RANK, device)
 
 
-def device_buffer(numel, dtype="float32", device=0):
+def device_buffer(numel, dtype="float32", device=DEVICE):
     return _C.Buffer(max(numel, 1) * ITEMSIZE[dtype], "device", device=device)
 
 
@@ -110,7 +112,8 @@ def _run_ranks(tmp_path, world, body, params=None, env=None, timeout=CHILD_TIMEO
     stderr)] by rank. Fails the test on a timeout, and if the segment outlived them."""
     run_dir = pathlib.Path(tempfile.mkdtemp(prefix=f"world{world}-", dir=tmp_path))
     id_path = run_dir / "unique_id"
-    child_env = dict(os.environ)
+    # a device per rank, as on a GPU machine: NCCL refuses two ranks on one
+    child_env = dict(os.environ, RLHFZ_SIM_DEVICES=str(world))
     child_env.update(env or {})
     code = PRELUDE + textwrap.dedent(body)
     procs, outputs = [], []
@@ -179,7 +182,7 @@ OPS = PARAMS.get("ops", ["sum", "avg", "max", "min"])
 COLLECTIVES = ["all_reduce", "reduce_scatter", "all_gather", "broadcast"]
 
 comm = connect()
-stream = _C.CudaStream(0)
+stream = _C.CudaStream(DEVICE)
 failures, digests = [], {}
 
 
@@ -334,7 +337,7 @@ class UniqueId(ctypes.Structure):
 
 uid = UniqueId.from_buffer_copy(unique_id())
 comm = ctypes.c_void_p()
-_C.cuda_set_device(0)
+_C.cuda_set_device(DEVICE)
 assert nccl.ncclCommInitRank(ctypes.byref(comm), WORLD, uid, RANK) == 0
 TYPES = {"int8": (0, np.int8), "uint8": (1, np.uint8), "int32": (2, np.int32),
          "uint32": (3, np.uint32), "int64": (4, np.int64), "uint64": (5, np.uint64),
@@ -353,7 +356,7 @@ for name, (code, np_type) in TYPES.items():
                 x[:2] = (info.max, info.min)
         else:
             xs = [rng.random(257) * 4 - 2 for _ in range(WORLD)]
-        buf = _C.Buffer(257 * np.dtype(np_type).itemsize, "device", device=0)
+        buf = _C.Buffer(257 * np.dtype(np_type).itemsize, "device", device=DEVICE)
         got = host_array(buf, np_type)
         got[:] = xs[RANK]
         rc = nccl.ncclAllReduce(buf.address, buf.address, 257, code, op_code, comm, None)
@@ -387,7 +390,7 @@ def test_library_reduces_integer_and_float64_types_with_every_op(tmp_path):
 
 STREAM_ORDER = r'''
 comm = connect()
-stream = _C.CudaStream(0)
+stream = _C.CudaStream(DEVICE)
 n = 4099
 src_buf, x_buf, y_buf = (device_buffer(n) for _ in range(3))
 src, x, y = host_array(src_buf), host_array(x_buf, fill=np.nan), host_array(y_buf, fill=np.nan)
@@ -397,7 +400,7 @@ src[:] = base + RANK
 # nothing runs until the stream is released; then the copy, a kernel, the
 # collective and another kernel must run in that order
 token = _C.cuda_sim_hold(stream)
-done = _C.CudaEvent(0)
+done = _C.CudaEvent(DEVICE)
 x_buf.copy_from(src_buf, stream=stream.handle, non_blocking=True)
 _C.cuda_scale_(x_buf.view("float32"), 2.0, stream=stream)
 comm.all_reduce(x_buf.view("float32"), y_buf.view("float32"), "sum", stream=stream)
@@ -411,10 +414,10 @@ ok_x = bool((x == 2 * (base + RANK)).all())
 ok_y = bool((y == sum(base + r for r in range(WORLD))).all())   # 0.5 * sum of 2 * (base + r)
 
 # a collective waits for work on another stream that an event orders it after
-other = _C.CudaStream(0)
+other = _C.CudaStream(DEVICE)
 token = _C.cuda_sim_hold(other)
 _C.cuda_scale_(x_buf.view("float32"), 3.0, stream=other)
-ready = _C.CudaEvent(0)
+ready = _C.CudaEvent(DEVICE)
 ready.record(other)
 ready.wait(stream)
 comm.all_reduce(x_buf.view("float32"), x_buf.view("float32"), "max", stream=stream)
@@ -438,7 +441,7 @@ def test_collectives_run_in_stream_order(tmp_path):
 GROUPS = r'''
 nccl = ctypes.CDLL(rlhfz.build_info()["nccl_library"])
 comm = connect()
-stream = _C.CudaStream(0)
+stream = _C.CudaStream(DEVICE)
 n = 513
 a_buf, b_buf, g_buf = device_buffer(n), device_buffer(n), device_buffer(n * WORLD)
 a, b, g = host_array(a_buf, fill=RANK + 1), host_array(b_buf, fill=RANK + 1), host_array(g_buf)
@@ -462,7 +465,7 @@ out["ok"] = bool((a == WORLD * (WORLD + 1) / 2).all()) and bool(
 # an invalid call inside a group raises, and the end queues nothing: host
 # memory in a capsule that claims to be CUDA memory, which only NCCL can tell
 from dlpack_handmade import Handmade
-host = Handmade(np.ones(n, dtype=np.float32), shape=(n,), device=(2, 0))
+host = Handmade(np.ones(n, dtype=np.float32), shape=(n,), device=(2, DEVICE))
 before = launches()
 assert nccl.ncclGroupStart() == 0
 comm.all_reduce(a_view, a_view, "sum", stream=stream)
@@ -658,7 +661,7 @@ def test_argument_errors_are_refused_before_anything_is_queued(tmp_path):
 
 MISMATCH = r'''
 comm = connect()
-stream = _C.CudaStream(0)
+stream = _C.CudaStream(DEVICE)
 buf = device_buffer(1024)
 host_array(buf, fill=1.0)
 # rank 0 reduces 1024 elements, rank 1 only 512: NCCL would hang or mix them up
@@ -689,7 +692,8 @@ try:
     if RANK == 0:
         connect()                           # its peer never joins: it gives up
     else:
-        _C.NcclComm(unique_id(), WORLD + 1, RANK, 0)      # disagrees on the world size
+        _C.cuda_set_device(DEVICE)
+        _C.NcclComm(unique_id(), WORLD + 1, RANK, DEVICE)      # disagrees on the world size
     raised = None
 except RuntimeError as error:
     raised = str(error)
@@ -706,12 +710,44 @@ def test_a_failed_init_leaves_nothing_behind(tmp_path):
     assert "ncclInvalidUsage" in results[1]["raised"] and "nranks=3" in results[1]["raised"]
 
 
+SHARED_DEVICE = r'''
+# PARAMS["devices"][RANK]: the device each rank makes current
+started = time.monotonic()
+try:
+    connect(PARAMS["devices"][RANK])
+    raised = None
+except RuntimeError as error:
+    raised = str(error)
+report({"raised": raised, "after_s": time.monotonic() - started})
+'''
+
+
+@pytest.mark.parametrize("devices", [[0, 0], [1, 0, 1]])
+def test_two_ranks_on_one_device_are_refused(tmp_path, devices):
+    """NCCL's init refuses two ranks on one CUDA device (ncclInvalidUsage,
+    "Duplicate GPU detected"); the stand-in refuses it on every rank, at
+    once, so none goes on to wait for a peer that has given up."""
+    results = _all_ok(_run_ranks(tmp_path, len(devices), SHARED_DEVICE,
+                                 params={"devices": devices}))
+    for rank, result in enumerate(results):
+        raised = result["raised"]
+        assert raised is not None and "ncclInvalidUsage" in raised, (rank, result)
+        assert result["after_s"] < 10, (rank, result)
+        sharing = [r for r, d in enumerate(devices) if d == devices[rank] and r != rank]
+        if sharing:
+            assert (f"Duplicate GPU detected : rank {rank} and rank {sharing[0]} both on CUDA "
+                    f"device {devices[rank]}") in raised, (rank, raised)
+        else:     # a bystander names the pair that broke the communicator
+            assert ("Duplicate GPU detected : rank 0 and rank 2 both on CUDA device 1 (this "
+                    "rank, 1, is on device 0)") in raised, (rank, raised)
+
+
 # ---- a rank that dies ----------------------------------------------------------------------------
 
 DEATH = r'''
 import signal, threading
 comm = connect()
-stream = _C.CudaStream(0)
+stream = _C.CudaStream(DEVICE)
 n = 100_003
 buf = device_buffer(n)
 x = host_array(buf, fill=1.0)
@@ -728,7 +764,7 @@ if RANK == 0:
     gathered = device_buffer(n * WORLD)              # alive until the work is over
     comm.all_reduce(data, data, "sum", stream=stream)
     comm.all_gather(data, gathered.view("float32"), stream=stream)
-    done = _C.CudaEvent(0)
+    done = _C.CudaEvent(DEVICE)
     done.record(stream)
     start = time.monotonic()
     while time.monotonic() - start < 2.0 and not done.query():

@@ -39,7 +39,9 @@ def test_the_device_trains_as_the_cpu_does(monkeypatch, tmp_path, world, stage, 
                                            options):
     monkeypatch.delenv("RLHFZ_SIM_DEVICE", raising=False)
     on_cpu = _run(world, stage, dtype, scenario, str(tmp_path / "cpu"), options)
-    monkeypatch.setenv("RLHFZ_SIM_DEVICE", "0")
+    # each rank on a device of its own, as on a GPU machine (rank r on device r)
+    monkeypatch.setenv("RLHFZ_SIM_DEVICES", str(world))
+    monkeypatch.setenv("RLHFZ_SIM_DEVICE", "0" if world == 1 else "local_rank")
     on_device = _run(world, stage, dtype, scenario, str(tmp_path / "device"), options)
     assert on_cpu[0]["seen"]["backend"] == "HostBackend"
     assert on_device[0]["seen"]["backend"] == "SimulatedCudaBackend"

@@ -1,7 +1,8 @@
 /* communicator.cpp: the NCCL stand-in's communicators and the calls about
  * them: version, unique ids, init, destroy, abort, queries and errors.
  *
- * A communicator is bound to the CUDA device current at ncclCommInitRank.
+ * A communicator is bound to the CUDA device current at ncclCommInitRank;
+ * as NCCL's, init fails with ncclInvalidUsage where two ranks are on one.
  * Its handle is registered while live, so a destroyed, aborted or made-up
  * handle is refused (ncclInvalidArgument) instead of being dereferenced.
  * Destroy waits for the communicator's queued collectives, as NCCL's does
@@ -224,8 +225,8 @@ extern "C" ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqu
                                  (double)DEFAULT_STAGING);
     double timeout_s = read_number("RLHFZ_NCCL_SIM_INIT_TIMEOUT", 0, 1e7, DEFAULT_INIT_TIMEOUT_S);
     std::unique_ptr<Segment> segment;
-    ncclResult_t result = Segment::join(name, nranks, rank, (std::size_t)staging, timeout_s,
-                                        &segment);
+    ncclResult_t result = Segment::join(name, nranks, rank, device, (std::size_t)staging,
+                                        timeout_s, &segment);
     if (result != ncclSuccess)
         return result;
 

@@ -49,11 +49,14 @@ struct RankSlot;
  * staging_bytes that it writes and every rank reads. */
 class Segment {
 public:
-    /* Creates or attaches the segment `name`, claims `rank` in it and waits
-     * until all nranks ranks have (unlinking the name once they have), or
-     * fails after timeout_s seconds. */
-    static ncclResult_t join(const char *name, int nranks, int rank, std::size_t staging_request,
-                             double timeout_s, std::unique_ptr<Segment> *out);
+    /* Creates or attaches the segment `name`, claims `rank` in it for the
+     * CUDA device `device` and waits until all nranks ranks have (unlinking
+     * the name once they have), or fails after timeout_s seconds. Like
+     * NCCL's init, it fails (ncclInvalidUsage, on every rank) where two
+     * ranks are on one device. */
+    static ncclResult_t join(const char *name, int nranks, int rank, int device,
+                             std::size_t staging_request, double timeout_s,
+                             std::unique_ptr<Segment> *out);
     ~Segment();
     Segment(const Segment &) = delete;
     Segment &operator=(const Segment &) = delete;
@@ -75,6 +78,8 @@ public:
 
 private:
     Segment() = default;
+    /* ncclInvalidUsage (on every rank) where two ranks published one device. */
+    ncclResult_t check_devices() const;
     char *base_ = nullptr;
     std::size_t bytes_ = 0;
     int nranks_ = 0;

@@ -6,7 +6,11 @@
  * the others attach once the header says it is ready. Each rank claims its
  * slot, counts itself in, and the rank that completes the count unlinks the
  * name: from then on the memory lives only as long as the mappings do, so
- * no crash can leave it in /dev/shm.
+ * no crash can leave it in /dev/shm. Each rank publishes its CUDA device in
+ * its slot before it counts itself in; once all have, every rank compares
+ * them all, and two ranks on one device fail the init on every rank, as
+ * NCCL's "Duplicate GPU detected" does (every process simulates the same
+ * machine, so a device ordinal names one device in all of them).
  *
  * Layout: a header page, then one cache-line-aligned slot per rank, then
  * one staging area per rank. The ranks step together: each step, a rank
@@ -38,7 +42,7 @@ namespace ncclsim {
 namespace {
 
 constexpr std::uint64_t READY = 0x7265646179534d53ULL;   /* set last by the creator */
-constexpr std::uint32_t LAYOUT_VERSION = 1;
+constexpr std::uint32_t LAYOUT_VERSION = 2;
 constexpr std::size_t PAGE = 4096;
 constexpr std::size_t MIN_STAGING = 4096;
 
@@ -87,6 +91,7 @@ struct SegmentHeader {
 
 struct alignas(64) RankSlot {
     std::atomic<std::uint32_t> owner;       /* pid of the process holding the rank, 0: free */
+    std::atomic<std::int32_t> device;       /* its CUDA device, set before it counts itself in */
     std::atomic<std::uint32_t> bell;        /* rung by every peer's arrival; a futex word */
     std::atomic<std::uint64_t> arrived;     /* the last step this rank reached */
     Descriptor descriptor;                  /* written before arrive, read after wait_all */
@@ -189,8 +194,9 @@ ncclResult_t wait_for_size(int fd, std::size_t bytes, const char *name, Clock::t
 
 } /* namespace */
 
-ncclResult_t Segment::join(const char *name, int nranks, int rank, std::size_t staging_request,
-                           double timeout_s, std::unique_ptr<Segment> *out)
+ncclResult_t Segment::join(const char *name, int nranks, int rank, int device,
+                           std::size_t staging_request, double timeout_s,
+                           std::unique_ptr<Segment> *out)
 {
     auto deadline = Clock::now() + std::chrono::milliseconds((long long)(timeout_s * 1000.0));
     int fd = -1;
@@ -291,7 +297,9 @@ ncclResult_t Segment::join(const char *name, int nranks, int rank, std::size_t s
     if (!segment->slots_[rank].owner.compare_exchange_strong(expected, me))
         return fail(ncclInvalidUsage, "rank %d of %d joined twice with the same unique id (pid %u "
                     "holds it)", rank, nranks, expected);
+    segment->slots_[rank].device.store(device, std::memory_order_relaxed);
 
+    /* the count's read-modify-write publishes the device with it */
     std::uint32_t joined = header->joined.fetch_add(1) + 1;
     wake_all(&header->joined);
     if (joined == (std::uint32_t)nranks)
@@ -305,8 +313,40 @@ ncclResult_t Segment::join(const char *name, int nranks, int rank, std::size_t s
         }
         sleep_on(&header->joined, joined, 50);
     }
+    result = segment->check_devices();
+    if (result != ncclSuccess)
+        return result;
     *out = std::move(segment);
     return ncclSuccess;
+}
+
+ncclResult_t Segment::check_devices() const
+{
+    /* every rank reaches the same verdict from the same slots: one on a
+     * shared device names itself and a peer (as NCCL's message does), any
+     * other rank the first pair it finds; none of them goes on to wait for
+     * the others in a collective */
+    int first = -1, second = -1;
+    for (int a = 0; a < nranks_ && second < 0; a++)
+        for (int b = a + 1; b < nranks_; b++)
+            if (slots_[a].device.load(std::memory_order_relaxed) ==
+                slots_[b].device.load(std::memory_order_relaxed)) {
+                first = a;
+                second = b;
+                break;
+            }
+    if (second < 0)
+        return ncclSuccess;
+    int mine = slots_[rank_].device.load(std::memory_order_relaxed);
+    for (int peer = 0; peer < nranks_; peer++)
+        if (peer != rank_ && slots_[peer].device.load(std::memory_order_relaxed) == mine)
+            return fail(ncclInvalidUsage, "Duplicate GPU detected : rank %d and rank %d both on "
+                        "CUDA device %d: NCCL needs a device of its own for every rank (make "
+                        "the local rank's device current before init)", rank_, peer, mine);
+    return fail(ncclInvalidUsage, "Duplicate GPU detected : rank %d and rank %d both on CUDA "
+                "device %d (this rank, %d, is on device %d): NCCL needs a device of its own for "
+                "every rank", first, second, slots_[first].device.load(std::memory_order_relaxed),
+                rank_, mine);
 }
 
 } /* namespace ncclsim */
