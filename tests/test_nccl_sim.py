@@ -493,6 +493,59 @@ def test_group_queues_its_calls_at_the_end_in_order(tmp_path):
         assert result["alive"] is False                   # the binding aborts after an error
 
 
+GROUP_STREAMS = r'''
+nccl = ctypes.CDLL(rlhfz.build_info()["nccl_library"])
+comm = connect()
+first, second = _C.CudaStream(DEVICE), _C.CudaStream(DEVICE)
+n = 257
+a_buf = device_buffer(n)
+a = host_array(a_buf, fill=RANK + 1)
+a_view = a_buf.view("float32")
+launches = lambda: _C.cuda_sim_calls("cudaLaunchHostFunc")
+out = {}
+
+# outside a group, a collective on another stream waits for the one before
+# it on the communicator, nothing else ordering them (as NCCL orders them)
+token = _C.cuda_sim_hold(first)
+comm.all_reduce(a_view, a_view, "sum", stream=first)
+comm.all_reduce(a_view, a_view, "sum", stream=second)
+done = _C.CudaEvent(DEVICE)
+done.record(second)
+time.sleep(0.2)
+out["second_waited"] = not done.query()
+_C.cuda_sim_release(token)
+done.synchronize()
+out["in_issue_order"] = bool((a == WORLD * WORLD * (WORLD + 1) / 2).all())
+
+# inside a group, one communicator's calls on two streams are refused
+before = launches()
+assert nccl.ncclGroupStart() == 0
+comm.all_reduce(a_view, a_view, "sum", stream=first)
+try:
+    comm.all_reduce(a_view, a_view, "sum", stream=second)
+    out["raised"] = None
+except RuntimeError as error:
+    out["raised"] = str(error)
+out["group_end"] = nccl.ncclGroupEnd()
+out["queued"] = launches() - before
+out["alive"] = comm.alive
+report(out)
+'''
+
+
+def test_one_communicators_collectives_run_in_issue_order_across_streams(tmp_path):
+    """NCCL makes a collective on a stream other than the communicator's
+    last one wait for that one, and so does the stand-in; within a group,
+    a second stream for one communicator is refused (ncclInvalidUsage), as
+    NCCL 2.10 and 2.11 refuse it: nothing of the group is queued."""
+    for result in _all_ok(_run_ranks(tmp_path, 2, GROUP_STREAMS)):
+        assert result["second_waited"] is True and result["in_issue_order"] is True, result
+        assert result["raised"] is not None and "ncclInvalidUsage" in result["raised"], result
+        assert "mixing different streams within a group call" in result["raised"], result
+        assert result["group_end"] == 5 and result["queued"] == 0, result    # ncclInvalidUsage
+        assert result["alive"] is False, result       # the binding aborts after an error
+
+
 # ---- argument errors -----------------------------------------------------------------------------
 
 ARGUMENTS = r'''

@@ -12,7 +12,12 @@
  * calls are only checked; ncclGroupEnd queues them, in order.
  *
  * A communicator runs its collectives one at a time, in the order they were
- * queued (each gets a number), whatever streams they are on. One runs in
+ * queued (each gets a number), whatever streams they are on: NCCL does the
+ * same, making a collective on another stream than the communicator's last
+ * one wait for that one (cudaStreamWaitEvent on its done event before 2.12,
+ * its internal "device stream" since). Within a group, the calls on one
+ * communicator must share a stream, as NCCL 2.10 and 2.11 require (later
+ * versions join the streams). One runs in
  * chunks of at most the staging area: each rank stages its part of a chunk,
  * the ranks step together, each rank computes its output from every rank's
  * staging, and the ranks step together again before the area is reused.
@@ -358,6 +363,21 @@ ncclResult_t collective(const char *function, Kind kind, const void *send, void 
     std::unique_ptr<Collective> c;
     ncclResult_t result = prepare(function, kind, send, recv, count, dtype, op, root, comm,
                                   stream, &c);
+    if (group.depth > 0 && result == ncclSuccess && c) {
+        /* NCCL 2.10 and 2.11 launch a group's work on one communicator as one
+         * kernel, on one stream, and refuse a second stream (later versions
+         * join the streams); rlhfz accepts 2.10, so the stand-in refuses too */
+        for (const std::unique_ptr<Collective> &queued : group.pending)
+            if (queued->comm == c->comm && queued->stream != c->stream) {
+                result = fail(ncclInvalidUsage, "%s: mixing different streams within a group "
+                              "call is not supported (stream %p, after %p for this communicator "
+                              "in the same group): NCCL before 2.12 refuses it; queue a group's "
+                              "calls on one stream", function, (void *)c->stream,
+                              (void *)queued->stream);
+                c.reset();
+                break;
+            }
+    }
     if (group.depth > 0) {
         if (result != ncclSuccess && group.error == ncclSuccess)
             group.error = result;
