@@ -24,6 +24,7 @@ gathers it again anyway.
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 
 import torch
@@ -48,13 +49,50 @@ def _unit_modules(model: torch.nn.Module, wrap) -> list[torch.nn.Module]:
             order = {id(m): i for i, m in enumerate(model.modules())}
             candidates = sorted(candidates + _large_outside(model, candidates),
                                 key=lambda m: order[id(m)])
+    # a candidate inside a PEFT layer (its base layer) is that layer, whose
+    # forward uses the base layer's weight beside the adapters
+    parents = _parents(model)
+    lifted = {id(s): s for s in (_site(m, parents) for m in candidates) if s is not model}
+    order = {id(m): i for i, m in enumerate(model.modules())}
     units, inside = [], set()
-    for module in candidates:                    # nested candidates join their outer unit
-        if id(module) in inside:
+    for module in sorted(lifted.values(), key=lambda m: order[id(m)]):
+        if id(module) in inside:                 # nested candidates join their outer unit
             continue
         units.append(module)
         inside.update(id(m) for m in module.modules())
     return units
+
+
+def _parents(model: torch.nn.Module) -> dict:
+    """id(module) -> the module it is registered in (the first, if several)."""
+    parents = {}
+    for parent in model.modules():
+        for child in parent.children():
+            parents.setdefault(id(child), parent)
+    return parents
+
+
+def _tuner_layer(module: torch.nn.Module) -> bool:
+    """A PEFT layer (LoRA, DoRA, trainable tokens): its forward reads its
+    base layer's weight and its adapters' params directly, outside their
+    own forwards (F.embedding on lora_embedding_A, DoRA's weight norm)."""
+    peft = sys.modules.get("peft.tuners.tuners_utils")
+    return peft is not None and isinstance(module, peft.BaseTunerLayer)
+
+
+def _site(module: torch.nn.Module, parents: dict) -> torch.nn.Module:
+    """The module whose forward uses `module`'s own params: the outermost
+    PEFT layer around it, else the nearest module up from it with a forward
+    of its own (a ParameterDict's params are used by the module holding it)."""
+    site = module
+    while type(site).forward is torch.nn.Module.forward and id(site) in parents:
+        site = parents[id(site)]
+    at = site
+    while id(at) in parents:
+        at = parents[id(at)]
+        if _tuner_layer(at):
+            site = at
+    return site
 
 
 def _large_outside(model: torch.nn.Module, blocks: list) -> list[torch.nn.Module]:
@@ -181,9 +219,14 @@ class Stage3:
                 self._unit_of[id(bucket)] = index
             sites = [module]
             if module is self.root:
+                # each module that uses them in its forward: for a param
+                # held in a ParameterDict or by a PEFT layer's base layer,
+                # the module around them that reads it (see _site)
                 mine = {id(p) for b in buckets for p in b.params}
-                sites = [m for m in module.modules()
-                         if any(id(p) in mine for p in m.parameters(recurse=False))]
+                parents = _parents(module)
+                sites = list({id(s): s for s in (
+                    _site(m, parents) for m in module.modules()
+                    if any(id(p) in mine for p in m.parameters(recurse=False)))}.values())
             for site in sites:
                 if id(site) in self._sites[index]:
                     continue

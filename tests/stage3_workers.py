@@ -365,3 +365,56 @@ def deepcopy_of_a_sharded_model(rank, world_size):
     except TypeError as error:
         return str(error)
     return None
+
+
+PEFT_LAYERS = {
+    # LoRA on GPT-2's tied embedding (its adapters sit in ParameterDicts
+    # of the root unit) and on its tied head
+    "tied": ("gpt2", {"target_modules": ["wte", "c_fc", "lm_head"], "fan_in_fan_out": True}),
+    # DoRA on an untied embedding and head each bigger than a block (whose
+    # forwards read their base layer's weight beside the adapters)
+    "untied-dora": ("llama-untied", {"target_modules": ["embed_tokens", "lm_head", "q_proj"],
+                                     "use_dora": True}),
+}
+
+
+def peft_layers(case: str):
+    """A PEFT model with adapters on embeddings and heads (PEFT_LAYERS)."""
+    import peft
+    kind, options = PEFT_LAYERS[case]
+    model = tiny_lm(kind)
+    torch.manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return peft.get_peft_model(model, peft.LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, **options))
+
+
+def peft_layers_parity(rank, world_size, case, steps):
+    """Stage 3 training of peft_layers(case), the adapters alone trained:
+    with ZeroAdamW(model), then with shard_model and the trained params.
+    Each: the losses, the whole model, and greedy tokens unit by unit."""
+    out = {}
+    for how in ("optimizer", "shard_model"):
+        model = peft_layers(case)
+        if how == "optimizer":
+            opt = rlhfz.ZeroAdamW(model, stage=3, lr=1e-2, param_persistence_threshold=64)
+        else:
+            rlhfz.shard_model(model, param_persistence_threshold=64)
+            opt = rlhfz.ZeroAdamW([p for p in model.parameters() if p.requires_grad],
+                                  stage=3, lr=1e-2)
+        losses = []
+        for ids in batches(steps):
+            opt.zero_grad()
+            loss = lm_loss(model, ids[rank::world_size])
+            loss.backward()
+            opt.step()
+            global_loss = loss.detach().clone()
+            torch.distributed.all_reduce(global_loss)
+            losses.append(global_loss.item() / world_size)
+        model.eval()
+        with rlhfz.gather_for_generation(model, enabled=False):
+            tokens = greedy(model)
+        out[how] = {"losses": losses, "tokens": tokens,
+                    "state": rlhfz.full_state_dict(model, rank0_only=False)}
+    return out

@@ -129,6 +129,47 @@ def test_training_matches_single_process_adamw(kind, world_size, checkpointing, 
         assert all("offload after it closes" in r["refused"] for r in results)
 
 
+@pytest.mark.parametrize("case, world_size", [("tied", 2), ("untied-dora", 2), ("tied", 3)])
+def test_lora_and_dora_on_embeddings_and_heads_train_as_one_process(case, world_size):
+    """PEFT's embedding layers read their adapters (held in ParameterDicts)
+    and DoRA layers their base layer's weight in their own forward, not in
+    a child's: each is gathered whole around it. The adapters alone train,
+    with ZeroAdamW(model) and with shard_model, as torch.optim.AdamW does
+    in one process; greedy tokens unit by unit are the reference's."""
+    pytest.importorskip("peft")
+    steps = 10
+    model = workers.peft_layers(case)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=1e-2)
+    ref_losses = []
+    for ids in workers.batches(steps):
+        opt.zero_grad()
+        loss = workers.lm_loss(model, ids)
+        loss.backward()
+        opt.step()
+        ref_losses.append(loss.item())
+    model.eval()
+    tokens = workers.greedy(model)
+    reference = model.state_dict()
+    names = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    assert any("lora_embedding_A" in n for n in names)
+    for result in run_ranks(workers.peft_layers_parity, world_size, case, steps):
+        for how, got in result.items():
+            torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref_losses),
+                                       rtol=1e-5, atol=0)
+            assert torch.equal(got["tokens"], tokens), how
+            state = got["state"]
+            assert state.keys() == reference.keys(), how
+            for name, value in reference.items():
+                if name not in names:                       # frozen: as it was
+                    assert torch.equal(state[name], value), (how, name)
+            mine = torch.cat([state[n].reshape(-1) for n in names])
+            theirs = torch.cat([reference[n].reshape(-1) for n in names])
+            assert _relative(mine, theirs) <= 1e-5, how
+            for name in names:
+                assert _relative(state[name], reference[name]) <= 1e-3, (how, name)
+
+
 def test_exceptions_inside_each_mode_leave_the_model_working():
     reference = workers.greedy(workers.tiny_lm("gpt2").eval())
     results = run_ranks(workers.exception_safety, 2, "gpt2")
