@@ -22,7 +22,7 @@ from .lora_export import adapter_units, is_peft, merge_plan, merged
 from .model_state import sync_buckets, unwrapped, whole_shape
 from .progress import progress
 from .sharding import mark_filled
-from .state_dict_hooks import gathered_values
+from .state_dict_hooks import gathered_values, placeholders_kept
 
 
 
@@ -65,15 +65,45 @@ def save_pretrained(model, path, *, max_shard_size="5GB", adapters="merged") -> 
 
 
 def _save_adapters(record, peft_model, path: str) -> None:
-    """PEFT's adapter files from the trainable params, gathered whole."""
-    trainable = {name: p for name, p in peft_model.named_parameters() if p.requires_grad}
+    """PEFT's adapter files, as peft_model.save_pretrained writes them: every
+    adapter (active or not, trained or frozen), each in its own file, and
+    the base embeddings where PEFT saves those too. PEFT picks the tensors
+    from the state dict; under stage 3 the ones it picks are gathered whole
+    and the rest stay placeholders, which it leaves alone."""
+    state = peft_model.state_dict(keep_vars=True)
     slots = record.sharded_slots() if record is not None else {}
+    picked = _picked_by_peft(peft_model, state)
+    wanted = {id(t) for t in picked if id(t) in slots}
+    held = {id(t) for t in state.values()}
+    derived = [t for t in picked if id(t) not in held]
+    if record is not None and derived:
+        raise NotImplementedError(
+            "save_pretrained(adapters='only'): PEFT computes some of this model's adapter "
+            "tensors from others, which stage 3 holds as shards: gather the model with "
+            "gather_for_generation(model) and call its own save_pretrained inside")
     keep = record is None or record.comm.leads
-    got = (gathered_values(record, {id(p) for p in trainable.values() if id(p) in slots}, keep,
-                           "save_pretrained") if record is not None else {})
+    got = (gathered_values(record, wanted, keep, "save_pretrained")
+           if record is not None else {})
     if keep:
-        state = {name: got.get(id(p), p.detach()) for name, p in trainable.items()}
-        peft_model.save_pretrained(path, state_dict=state, safe_serialization=True)
+        whole = {name: got.get(id(t), t.detach()) for name, t in state.items()}
+        with placeholders_kept():         # PEFT reads some modules' keys: no gathers
+            peft_model.save_pretrained(path, state_dict=whole, safe_serialization=True)
+
+
+def _picked_by_peft(peft_model, state: dict) -> list:
+    """The tensors of state that PEFT's save_pretrained writes, over every
+    adapter it saves (with the embeddings it may add, so a superset where
+    it decides that by itself). Every rank finds the same ones."""
+    import warnings
+    from peft import get_peft_model_state_dict
+    picked = {}
+    with warnings.catch_warnings(), placeholders_kept():
+        warnings.simplefilter("ignore")
+        for adapter in peft_model.peft_config:
+            for t in get_peft_model_state_dict(peft_model, state_dict=state, adapter_name=adapter,
+                                               save_embedding_layers=True).values():
+                picked[id(t)] = t
+    return list(picked.values())
 
 
 def shard_size_bytes(value) -> int:

@@ -14,6 +14,7 @@ meets the placeholder, which it leaves as it is.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import weakref
@@ -44,6 +45,18 @@ def gathered_values(record, ids: set, keep: bool, call: str) -> dict[int, torch.
             finally:
                 stage3.release(index)
     return out
+
+
+@contextlib.contextmanager
+def placeholders_kept():
+    """Within it, state_dict() of a sharded module gathers nothing (no
+    collective) and leaves placeholders: for a caller on one rank that reads
+    the keys alone, such as PEFT's save given the values it writes."""
+    _DEPTH.kept = getattr(_DEPTH, "kept", 0) + 1
+    try:
+        yield
+    finally:
+        _DEPTH.kept -= 1
 
 
 def install_hooks(record) -> None:
@@ -87,7 +100,8 @@ def _gather_placeholders(ref):
         stack = _DEPTH.stack
         keep_vars = stack.pop()
         record = ref()
-        if stack or keep_vars or record is None or record.stage3 is None:
+        if stack or keep_vars or record is None or record.stage3 is None or \
+                getattr(_DEPTH, "kept", 0):
             return                   # an inner call, or the params themselves wanted
         slots = record.sharded_slots()
         pending = {}

@@ -370,3 +370,48 @@ def pretrained_saved_over(rank, world_size, directory, kind):
                      "equal": all(torch.equal(whole[k], loaded[k]) for k in whole)})
         torch.distributed.barrier()        # every rank has read before the next save
     return seen
+
+
+ADAPTER_CASES = ("frozen-part", "inactive", "embed_tokens", "all-frozen")
+
+
+def adapter_case(case: str):
+    """PEFT models whose adapter files hold more than the params that train:
+    an active adapter partly frozen, a second adapter that is not active,
+    LoRA on embed_tokens (PEFT saves the base embedding too), and a frozen
+    model with a modules_to_save head."""
+    import warnings
+    from peft import LoraConfig, get_peft_model
+    kinds = {"frozen-part": ("gpt2", {"target_modules": ["wte", "c_fc"], "fan_in_fan_out": True}),
+             "inactive": ("gpt2", {"target_modules": ["c_fc"], "fan_in_fan_out": True}),
+             "embed_tokens": ("llama", {"target_modules": ["embed_tokens", "q_proj"]}),
+             "all-frozen": ("llama-untied", {"target_modules": ["q_proj"],
+                                             "modules_to_save": ["lm_head"]})}
+    kind, options = kinds[case]
+    torch.manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = get_peft_model(tiny_lm(kind), LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, **options))
+        if case == "inactive":
+            model.add_adapter("other", LoraConfig(r=2, target_modules=["c_fc"],
+                                                  fan_in_fan_out=True, init_lora_weights=False))
+    if case == "frozen-part":
+        for name, p in model.named_parameters():
+            if "lora_B" in name or "lora_embedding_B" in name:
+                p.requires_grad_(False)
+    if case == "all-frozen":
+        model.requires_grad_(False)
+    return model
+
+
+def adapters_saved(rank, world_size, directory):
+    """Each adapter_case at stage 3 (what trains by ZeroAdamW(model), the
+    frozen model by shard_model), saved with adapters='only'."""
+    for case in ADAPTER_CASES:
+        model = adapter_case(case)
+        if any(p.requires_grad for p in model.parameters()):
+            rlhfz.ZeroAdamW(model, stage=3, param_persistence_threshold=16)
+        else:
+            rlhfz.shard_model(model, param_persistence_threshold=16)
+        rlhfz.save_pretrained(model, os.path.join(directory, case), adapters="only")

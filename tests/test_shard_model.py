@@ -337,6 +337,41 @@ def test_lora_saves_merged_and_adapters_only_as_peft_and_transformers_load_them(
         assert torch.equal(loaded(ids).logits, expected)
 
 
+def _adapter_files(directory) -> dict:
+    """{relative path: {key: tensor}} of every safetensors file PEFT wrote."""
+    from safetensors.torch import load_file
+    return {str(f.relative_to(directory)): load_file(f)
+            for f in sorted(directory.rglob("*.safetensors"))}
+
+
+def _assert_same_files(ours, theirs):
+    assert ours.keys() == theirs.keys()
+    for file, tensors in theirs.items():
+        assert ours[file].keys() == tensors.keys(), file
+        for key, value in tensors.items():
+            assert torch.equal(ours[file][key], value), (file, key)
+
+
+@pytest.mark.parametrize("case", workers.ADAPTER_CASES)
+def test_adapters_only_writes_what_peft_writes_not_just_what_trains(tmp_path, case):
+    """Frozen parts of the active adapter, other adapters (in their own
+    folders), the base embedding PEFT adds: PEFT's own files, key for key."""
+    pytest.importorskip("peft")
+    model = workers.adapter_case(case)
+    model.save_pretrained(tmp_path / "peft")
+    rlhfz.save_pretrained(model, tmp_path / "ours", adapters="only")
+    _assert_same_files(_adapter_files(tmp_path / "ours"), _adapter_files(tmp_path / "peft"))
+
+
+def test_adapters_only_at_stage_3_writes_what_peft_writes(tmp_path):
+    pytest.importorskip("peft")
+    run_ranks(workers.adapters_saved, 2, str(tmp_path / "ours"))
+    for case in workers.ADAPTER_CASES:
+        workers.adapter_case(case).save_pretrained(tmp_path / "peft" / case)
+        _assert_same_files(_adapter_files(tmp_path / "ours" / case),
+                           _adapter_files(tmp_path / "peft" / case))
+
+
 def test_lora_in_one_process_saves_merged_without_changing_the_model(tmp_path):
     pytest.importorskip("peft")
     import transformers
