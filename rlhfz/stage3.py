@@ -194,6 +194,10 @@ class Stage3:
         self._index_of: dict[int, int] = {}   # id(module) -> unit index
         self._sites: list[set[int]] = []      # per unit: id of every module hooked for it
         self._depth = 0                       # forwards of the roots running (nested)
+        # unit -> its sites running now: one inside another (a module that
+        # holds a root param and calls a child that holds another) leaves
+        # the unit whole until the outer one ends
+        self._running: dict[int, int] = {}
         ref = weakref.ref(self)
         for top in _roots(root):
             self.handles.append(top.register_forward_pre_hook(_eager(_forward_starts(ref))))
@@ -463,6 +467,7 @@ def _forward_starts(ref):
             return
         if self.running:                  # the last forward raised: what it held goes
             self.release_all()
+        self._running.clear()
         self.position = 0
         self.running = True
     return hook
@@ -483,6 +488,7 @@ def _forward_ends(ref):
             for index in self.order:
                 self._uses[index] = self._uses.get(index, 0) + 1
         self.running = False
+        self._running.clear()
         self.release_all()            # with any gather ahead that went unused
     return hook
 
@@ -491,6 +497,11 @@ def _pre_forward(ref, index):
     def hook(module, args):
         self = ref()
         if self is None or self.suspended:
+            return
+        # a count with the unit not whole was left by a site that raised
+        inside = self._running.get(index, 0) if index in self._whole else 0
+        self._running[index] = inside + 1
+        if inside:                    # within another site of the unit: whole already
             return
         if not self.order_known and self.running:
             # only a forward of the root says the order: a submodule run
@@ -507,6 +518,11 @@ def _post_forward(ref, index):
         self = ref()
         if self is None or self.suspended:
             return
+        inside = self._running.get(index, 0)
+        if inside > 1:                # the outer site still runs, and uses the unit
+            self._running[index] = inside - 1
+            return
+        self._running.pop(index, None)
         if torch.is_grad_enabled():
             _on_backward(output, lambda: _backward_gather(ref, index))
         elif self.holds(index):
@@ -559,8 +575,8 @@ def _release_after_backward(ref, index):
     def hook(module, args, kwargs):
         self = ref()
         if self is None or self.suspended or not torch.is_grad_enabled() or \
-                self.all_trained(index):
-            return None
+                self.all_trained(index) or self._running.get(index, 0) > 1:
+            return None               # (inside another site: the outer one releases)
         places = [("a", i) for i, a in enumerate(args)
                   if isinstance(a, torch.Tensor) and a.requires_grad]
         places += [("k", k) for k, v in kwargs.items()

@@ -418,3 +418,42 @@ def peft_layers_parity(rank, world_size, case, steps):
         out[how] = {"losses": losses, "tokens": tokens,
                     "state": rlhfz.full_state_dict(model, rank0_only=False)}
     return out
+
+
+class OwnParamModel(torch.nn.Module):
+    """A model that holds a param itself and uses it after its embedding,
+    which holds another of the root unit's: the embedding's forward runs
+    inside the model's."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(50, 100)
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(100, 100) for _ in range(2)])
+        self.scale = torch.nn.Parameter(torch.randn(100))
+
+    def forward(self, ids):
+        h = self.embed(ids) * self.scale
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        return h.pow(2).mean()
+
+
+def own_param_training(rank, world_size, steps):
+    """Stage 3 training of OwnParamModel; the losses, the whole params, and
+    a no_grad forward's loss, unit by unit."""
+    model = OwnParamModel()
+    opt = rlhfz.ZeroAdamW(model, stage=3, lr=1e-2, param_persistence_threshold=64)
+    losses = []
+    for ids in batches(steps):
+        opt.zero_grad()
+        loss = model(ids[rank::world_size] % 50)
+        loss.backward()
+        opt.step()
+        global_loss = loss.detach().clone()
+        torch.distributed.all_reduce(global_loss)
+        losses.append(global_loss.item() / world_size)
+    with torch.no_grad(), rlhfz.gather_for_generation(model, enabled=False):
+        evaluated = model(PROMPT % 50)
+    return {"losses": losses, "evaluated": evaluated,
+            "state": rlhfz.full_state_dict(model, rank0_only=False)}

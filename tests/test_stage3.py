@@ -170,6 +170,30 @@ def test_lora_and_dora_on_embeddings_and_heads_train_as_one_process(case, world_
                 assert _relative(state[name], reference[name]) <= 1e-3, (how, name)
 
 
+def test_a_root_param_used_around_a_child_that_holds_another_stays_whole():
+    """The model's own param is read after its embedding's forward, which
+    ends inside the model's: the root unit stays whole until the outer
+    forward ends, and training matches torch.optim.AdamW in one process."""
+    steps = 5
+    model = workers.OwnParamModel()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_losses = []
+    for ids in workers.batches(steps):
+        opt.zero_grad()
+        loss = model(ids % 50)
+        loss.backward()
+        opt.step()
+        ref_losses.append(loss.item())
+    with torch.no_grad():
+        evaluated = model(workers.PROMPT % 50)
+    for result in run_ranks(workers.own_param_training, 2, steps):
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses),
+                                   rtol=1e-5, atol=0)
+        torch.testing.assert_close(result["evaluated"], evaluated, rtol=1e-5, atol=1e-7)
+        for name, value in model.state_dict().items():
+            assert _relative(result["state"][name], value) <= 1e-5, name
+
+
 def test_exceptions_inside_each_mode_leave_the_model_working():
     reference = workers.greedy(workers.tiny_lm("gpt2").eval())
     results = run_ranks(workers.exception_safety, 2, "gpt2")
