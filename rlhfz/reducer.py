@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from .engine import DTYPE_NAMES, Bucket, check_grad_dtype, rank_range, stage2_bucket_bytes, torch_view
+from .engine import (DTYPE_NAMES, Bucket, after_outer_node, check_grad_dtype, rank_range,
+                     stage2_bucket_bytes, torch_view)
 
 
 class _Progress:
@@ -167,14 +168,9 @@ class GradReducer:
         Flushing here would launch every bucket once per checkpointed
         segment (zeros where no grad came) and, at stage 3, release units
         whose params the outer backward still reads."""
-        node = torch._C._current_autograd_node()
-        if node is None:
+        if not after_outer_node(lambda: torch.autograd.Variable._execution_engine
+                                .queue_callback(self._backward_ends)):
             self.flush()
-            return
-
-        def outer_node_done(*_):
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ends)
-        node.register_hook(outer_node_done)
 
     def _stage(self, bucket: Bucket) -> torch.Tensor:
         """The staging tensor that holds this bucket's grads in this round."""

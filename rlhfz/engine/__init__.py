@@ -15,7 +15,7 @@ Nothing here imports torch.optim or another rlhfz module above it.
 from .backends import (DTYPE_NAMES, CudaBackend, HostBackend, SimulatedCudaBackend, backend_for,
                        torch_view)
 from .bucket import Bucket, check_grad_dtype
-from .engine import INT8_SQ_LIMIT, BucketPlan, ShardEngine
+from .engine import INT8_SQ_LIMIT, BucketPlan, ShardEngine, after_outer_node
 from .frozen_bucket import FrozenBucket
 from .host_memory import PinnedPool, host_buffer, pin_budget, pinned_memory, release_pinned
 from .layout import (ALIGN_BYTES, MIN_BUCKET_BYTES, BucketLayout, ShardLayout, Slot,
@@ -31,7 +31,7 @@ __all__ = ["ALIGN_BYTES", "INT8_SQ_LIMIT", "Bucket", "BucketLayout", "BucketPlan
            "FlatStorage", "FrozenBucket", "HostBackend", "MIN_BUCKET_BYTES", "PinnedPool", "QBLOCK",
            "REGIONS", "STATE_DTYPES", "STATE_NAMES", "STORED_MAPS", "ShardEngine", "ShardLayout",
            "ShardState",
-           "SimulatedCudaBackend", "Slot", "backend_for", "check_grad_dtype", "host_buffer", "warn_user",
+           "SimulatedCudaBackend", "Slot", "after_outer_node", "backend_for", "check_grad_dtype", "host_buffer", "warn_user",
            "layout_block",
            "most_per_rank", "pin_budget", "pinned_memory", "plan_bucket", "rank_range", "region_dtype",
            "region_numel", "region_unit", "release_pinned", "shard_owner", "state_regions",

@@ -628,14 +628,13 @@ class _BackwardAverages:
 
     def _run(self, task: int) -> None:
         engines = self.pending.pop(task, {})
-        outer = torch._C._current_autograd_node()
-        if outer is not None:
-            def outer_node_done(*_):
-                for ref in engines.values():
-                    engine = ref()
-                    if engine is not None:
-                        self.add(engine)
-            outer.register_hook(outer_node_done)
+
+        def join_outer():
+            for ref in engines.values():
+                engine = ref()
+                if engine is not None:
+                    self.add(engine)
+        if after_outer_node(join_outer):
             return
         for serial in sorted(engines):
             engine = engines[serial]()
@@ -644,6 +643,18 @@ class _BackwardAverages:
 
 
 _AVERAGES = _BackwardAverages()
+
+
+def after_outer_node(fn) -> bool:
+    """At the end of a backward: if it ran nested inside a node of an outer
+    backward (reentrant activation checkpointing), calls fn once that node
+    is done, within the outer backward, and returns True; returns False at
+    the end of the outermost backward."""
+    node = torch._C._current_autograd_node()
+    if node is None:
+        return False
+    node.register_hook(lambda *_: fn())
+    return True
 
 
 def _keep_grad_in_bucket(bucket: Bucket, index: int, param: torch.Tensor) -> None:
