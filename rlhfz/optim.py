@@ -227,8 +227,13 @@ class ZeroAdamW(Optimizer):
                     record = sharding_of_model(module)
                 self.sharding = record
                 self.stage3 = record.stage3
-                self.engine.reducer.on_staged = self.stage3.on_staged
-                self.engine.reducer.after_flush = self.stage3.release_all
+                reducer = self.engine.reducer
+                reducer.after_flush = self.stage3.release_all
+                reducer.round_ended = self.stage3.round_ended
+                # reductions launch where every rank is at the same point
+                # among stage 3's gathers (reducer.py)
+                reducer.launch_when_staged = False
+                self.stage3.listen(reducer.unit_done)
             defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                             amsgrad=False, maximize=maximize, foreach=foreach, capturable=False,
                             differentiable=False, fused=fused, decoupled_weight_decay=True,

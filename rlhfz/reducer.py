@@ -21,6 +21,21 @@ its grads arrive in, so buckets are launched in descending index (the order
 backward usually completes them); a bucket that completes early waits for
 those above it. At the end of backward (an autograd engine callback) the
 rest are launched, complete or not: a param without a grad contributes zeros.
+
+Stage 3 gathers units during backward, so a reduction must be launched at
+the same point among those gathers on every rank, and a bucket's last grad
+is no such point: a param that gets a grad on some ranks only (a branch
+taken on one rank) would complete its bucket on some ranks and not others.
+There, a unit's buckets launch when backward is done with the unit
+(unit_done, told by stage 3 from the unit's inputs' grads, the same event
+on every rank), and the rest when backward ends.
+
+A grad that comes after its bucket was launched (a unit's param reached
+outside its inputs' path, a weight shared by two checkpointed segments)
+reopens the bucket, to be reduced again when backward ends. That may happen
+on one rank alone, so at the end of each backward the ranks agree, in one
+small MAX all-reduce, which buckets to reduce again; a rank without such
+grads adds zeros.
 """
 from __future__ import annotations
 
@@ -43,9 +58,15 @@ class _Progress:
         self.staged_params = [False] * count
         self.arrived_now = 0                # distinct params staged this round
         self.launched = False
+        self.launches = 0                   # reduce-scatters launched this round
         self.held: dict[int, torch.Tensor] = {}   # above the cap: grads until launch
 
     def open(self, count: int) -> None:
+        self.launches = 0
+        self.reopen(count)
+
+    def reopen(self, count: int) -> None:
+        """Stages anew: grads that came after the bucket was launched."""
         self.staged = None
         self.staged_params = [False] * count
         self.arrived_now = 0
@@ -67,10 +88,12 @@ class GradReducer:
         self._round_open = False
         self._next = -1
         self.bucket_bytes = bucket_bytes  # ZeroAdamW's option (None: the default cap)
-        # stage 3: told when a bucket's grads are all staged (its params may
-        # go), and when backward is over
-        self.on_staged = None
+        # stage 3: buckets launch when stage 3 says their unit is done
+        # (unit_done) or when backward ends, never on their last grad
+        self.launch_when_staged = True
+        # stage 3: told when backward is over
         self.after_flush = None
+        self.round_ended = None
         # the engine: a clip not yet applied goes into the grads before more come
         self.before_new_grads = None
 
@@ -89,10 +112,6 @@ class GradReducer:
     def version(self, bucket: Bucket) -> int:
         """Changes whenever the bucket's grad shard gets another reduced grad."""
         return self._of(bucket).generation
-
-    def all_staged(self, bucket: Bucket) -> bool:
-        """Every trainable param of the bucket has its grad staged this round."""
-        return self._of(bucket).arrived_now >= bucket.trainable
 
     # ---- memory -------------------------------------------------------------------
 
@@ -160,6 +179,16 @@ class GradReducer:
         except RuntimeError:
             pass    # not inside backward (a grad set by hand): step() flushes
 
+    def unit_done(self, buckets) -> None:
+        """Backward is done with a stage-3 unit: those of its buckets that
+        are this reducer's, and not launched yet this round, launch now (in
+        descending index, on every rank at the same event)."""
+        self._open_round()
+        mine = {id(b) for b in buckets}
+        for bucket in reversed(self.buckets):
+            if id(bucket) in mine and self._of(bucket).launches == 0:
+                self._launch(bucket)
+
     def _backward_ends(self) -> None:
         """The backward that opened the round ended. A reentrant backward
         (activation checkpointing with use_reentrant=True) runs inside a node
@@ -207,6 +236,10 @@ class GradReducer:
             param.grad = None       # a refused backward leaves no full grad behind
             raise
         progress = self._of(bucket)
+        if progress.launched:
+            # launched already: this grad is reduced again when backward
+            # ends (see _agree_late)
+            self._reopen(bucket)
         with torch.no_grad():
             if self._pieced(bucket):
                 if progress.staged_params[index]:     # not in place: it may be stolen
@@ -226,9 +259,7 @@ class GradReducer:
                 progress.arrived_now += 1     # distinct params, so a repeat cannot launch early
         param.grad = None
         progress.arrived[index] = True
-        if progress.arrived_now == bucket.trainable:
-            if self.on_staged is not None:
-                self.on_staged(bucket, self.all_staged)
+        if progress.arrived_now == bucket.trainable and self.launch_when_staged:
             self._launch_ready()
 
     def _launch_ready(self) -> None:
@@ -254,6 +285,7 @@ class GradReducer:
                     flat[place.offset:place.offset + place.numel].zero_()
         slot = progress.staged[0]
         progress.launched = True
+        progress.launches += 1
         progress.generation += 1
         if not progress.accumulated:
             work = self.comm.reduce_scatter(bucket.flat_grad_shard, flat, async_op=True)
@@ -273,6 +305,7 @@ class GradReducer:
         other's collective runs); a param without a grad adds zeros."""
         held, progress.held = progress.held, {}
         progress.launched = True
+        progress.launches += 1
         progress.generation += 1
         accumulate, progress.accumulated = progress.accumulated, True
         dtype, world = bucket.reduce_dtype, bucket.world_size
@@ -313,14 +346,44 @@ class GradReducer:
 
     def flush(self) -> None:
         """Launches whatever backward left (in order), and waits for it all."""
-        if self._round_open:
-            while self._next >= 0:
-                self._launch(self.buckets[self._next])
-                self._next -= 1
+        ended = self._round_open
+        if ended:
             self._round_open = False
+            # first every bucket's first launch, as a rank still inside
+            # backward may wait for one of them; then those reopened. The
+            # agreement waits for the data in flight: a hybrid engine's
+            # chains start their replicate phase on the group it uses.
+            for bucket in reversed(self.buckets):
+                if self._of(bucket).launches == 0:
+                    self._launch(bucket)
+            self._next = -1
+            self.wait_all()
+            self._agree_late()
+            for bucket in reversed(self.buckets):
+                self._launch(bucket)
         self.wait_all()
+        if ended and self.round_ended is not None:
+            self.round_ended()
         if self.after_flush is not None:
             self.after_flush()
+
+    def _agree_late(self) -> None:
+        """Buckets with grads that came after they were launched, on any
+        rank, are reopened on every rank (zeros where none came), so the
+        launches that follow are the same everywhere."""
+        reopened = [self._of(b).launches > 0 and not self._of(b).launched
+                    for b in self.buckets]
+        flags = torch.tensor(reopened, dtype=torch.uint8)
+        self.comm.all_reduce_max_control(flags, "backward (grads after their bucket went)")
+        for bucket, mine, anyone in zip(self.buckets, reopened, flags.tolist()):
+            if anyone and not mine:
+                self._reopen(bucket)
+
+    def _reopen(self, bucket: Bucket) -> None:
+        """Stages the bucket anew. Its next launch adds into the grad shard
+        that the last one may still be writing (rare: wait for them all)."""
+        self.wait_all()
+        self._of(bucket).reopen(len(bucket.params))
 
     def wait_all(self) -> None:
         for slot in list(self._slot_work):

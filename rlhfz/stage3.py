@@ -5,9 +5,18 @@ bucket; each rank keeps its shard. Before the unit's forward its params are
 all-gathered, and after it they are released (param.data becomes an empty
 placeholder, the gathered memory goes back). Autograd keeps the params
 themselves as saved tensors, so a hook on the unit's outputs gathers them
-again when backward reaches the unit; once every param of the unit has its
-grad (staged for the reduce-scatter), they are released again. The next
-unit in execution order is gathered ahead while one runs (prefetch).
+again when backward reaches the unit, and they are released again when
+backward is done with it. The next unit in execution order is gathered
+ahead while one runs (prefetch).
+
+The unit's inputs pass through a node whose backward runs when the unit's
+backward has made their grads: the same event on every rank, where the
+unit's params go and its grads are reduced (the reducer's unit_done),
+whichever of its params got grads on this rank. Whether a collective is
+issued depends only on such events, never on which grads came. A unit used n times in the forwards before a
+backward is done at the n-th; a use whose inputs need no grad (the
+embedding's token ids) gives no such event, and its unit is reduced when
+backward ends.
 
 Which params go where:
 - a param below param_persistence_threshold elements stays whole on every
@@ -198,6 +207,11 @@ class Stage3:
         # holds a root param and calls a child that holds another) leaves
         # the unit whole until the outer one ends
         self._running: dict[int, int] = {}
+        # per unit, this round: uses whose backward is still to come, and
+        # units with a use that no backward event will close
+        self._awaiting: dict[int, int] = {}
+        self._unclosed: set[int] = set()
+        self._listeners: list = []            # reducers' unit_done (weak)
         ref = weakref.ref(self)
         for top in _roots(root):
             self.handles.append(top.register_forward_pre_hook(_eager(_forward_starts(ref))))
@@ -238,7 +252,7 @@ class Stage3:
                 self.handles += [
                     site.register_forward_pre_hook(_eager(_pre_forward(ref, index))),
                     site.register_forward_hook(_eager(_post_forward(ref, index))),
-                    site.register_forward_pre_hook(_eager(_release_after_backward(ref, index)),
+                    site.register_forward_pre_hook(_eager(_mark_backward_done(ref, index)),
                                                    with_kwargs=True)]
 
     def replace_bucket(self, old, new) -> None:
@@ -254,9 +268,9 @@ class Stage3:
             self._unit_of[id(new)] = index
 
     def all_trained(self, index: int) -> bool:
-        """Whether every param of the unit gets a grad: the last grad staged
-        then says backward is done with the unit. A frozen param's last use
-        no grad marks, so such units wait for their inputs' grads."""
+        """Whether every param of the unit gets a grad. A unit with frozen
+        params is released after each use's backward; a trained one stays
+        whole until its last (backward_done)."""
         return all(b.trainable for b in self.units[index][1])
 
     # ---- gathering --------------------------------------------------------------------
@@ -430,13 +444,43 @@ class Stage3:
 
     # ---- backward ---------------------------------------------------------------------
 
-    def on_staged(self, bucket, all_staged) -> None:
-        """The reducer has staged every grad of a bucket: when all of its
-        unit's buckets are (all_staged(bucket) says), the unit's params may go."""
-        index = self._unit_of.get(id(bucket))
-        if index is not None and self.all_trained(index) and \
-                all(all_staged(b) for b in self.units[index][1]):
+    def listen(self, unit_done) -> None:
+        """unit_done(buckets) is called when backward is done with a unit
+        (a bound method, held weakly: a reducer dropped stops listening)."""
+        self._listeners = [m for m in self._listeners if m() is not None]
+        self._listeners.append(weakref.WeakMethod(unit_done))
+
+    def use_starts(self, index: int, closes: bool) -> None:
+        """A forward with grads uses the unit; `closes`: its backward will
+        say when it is done (its inputs need grads)."""
+        if not closes:
+            self._unclosed.add(index)
+        elif torch._C._current_graph_task_id() < 0:
+            # a use inside backward recomputes a checkpointed one: the
+            # reentrant kind's backward says so, as the use it stands for
+            # would have; the other kind's never runs
+            self._awaiting[index] = self._awaiting.get(index, 0) + 1
+
+    def backward_done(self, index: int) -> None:
+        """A use's backward made its inputs' grads. The unit's params may
+        go (a frozen unit has no grads to say so); after its last use its
+        grads are reduced."""
+        left = self._awaiting.get(index, 0) - 1
+        self._awaiting[index] = left
+        if left <= 0 and index not in self._unclosed:
+            for method in list(self._listeners):
+                unit_done = method()
+                if unit_done is not None:
+                    unit_done(self.units[index][1])
             self.release(index)
+        elif not self.all_trained(index):
+            self.release(index)
+
+    def round_ended(self) -> None:
+        """The reducer's round of grads ended (its backward did): the next
+        one counts uses afresh."""
+        self._awaiting.clear()
+        self._unclosed.clear()
 
 
 def _eager(hook):
@@ -537,8 +581,9 @@ def _backward_gather(ref, index):
         return
     self.gather(index)
     if not self.all_trained(index):
-        # no staged grad will say when it is done: at the latest, when
-        # backward ends (its inputs' grads usually say so sooner)
+        # a use whose inputs need no grads says nothing when it is done: at
+        # the latest, when backward ends (a trained unit's reducer releases
+        # it there)
         torch.autograd.Variable._execution_engine.queue_callback(lambda: _release(ref, index))
     # backward runs units in reverse: gather the one before this ahead
     if index in self.order:
@@ -553,44 +598,46 @@ def _release(ref, index):
         self.release(index)
 
 
-class _ReleaseAfterBackward(torch.autograd.Function):
+class _BackwardDone(torch.autograd.Function):
     """Passes a unit's inputs through; its backward runs once the unit's
-    backward has made their grads, when the unit's params may go."""
+    backward has made their grads."""
 
     @staticmethod
-    def forward(ctx, release, *tensors):
-        ctx.release = release
+    def forward(ctx, done, *tensors):
+        ctx.done = done
         return tensors if len(tensors) != 1 else tensors[0]
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.release()
+        ctx.done()
         return (None,) + grads
 
 
-def _release_after_backward(ref, index):
-    """A unit with frozen params (a frozen model, a LoRA base) gathers again
-    in backward, for its inputs' grads, and staged grads cannot say when it
-    is done: its inputs' grads do, once they have all come."""
+def _mark_backward_done(ref, index):
+    """In a forward with grads, the unit's inputs that need grads go through
+    _BackwardDone, which tells stage 3 when backward is done with this use."""
     def hook(module, args, kwargs):
         self = ref()
         if self is None or self.suspended or not torch.is_grad_enabled() or \
-                self.all_trained(index) or self._running.get(index, 0) > 1:
-            return None               # (inside another site: the outer one releases)
+                self._running.get(index, 0) > 1:
+            return None               # (inside another site: the outer one says)
         places = [("a", i) for i, a in enumerate(args)
                   if isinstance(a, torch.Tensor) and a.requires_grad]
         places += [("k", k) for k, v in kwargs.items()
                    if isinstance(v, torch.Tensor) and v.requires_grad]
+        self.use_starts(index, closes=bool(places))
         if not places:
             return None
         fired = []
 
-        def release():
+        def done():
             if not fired:
                 fired.append(True)
-                _release(ref, index)
+                owner = ref()
+                if owner is not None:
+                    owner.backward_done(index)
         values = [args[at] if kind == "a" else kwargs[at] for kind, at in places]
-        passed = _ReleaseAfterBackward.apply(release, *values)
+        passed = _BackwardDone.apply(done, *values)
         passed = passed if isinstance(passed, tuple) else (passed,)
         args, kwargs = list(args), dict(kwargs)
         for (kind, at), value in zip(places, passed):
