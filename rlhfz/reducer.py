@@ -17,10 +17,16 @@ receives the mean, NCCL's in-place form) and adds that into the shard, so
 the reducer's memory is two slots: at most two caps.
 
 Every rank must issue the same collectives in the same order, whatever order
-its grads arrive in, so buckets are launched in descending index (the order
-backward usually completes them); a bucket that completes early waits for
-those above it. At the end of backward (an autograd engine callback) the
-rest are launched, complete or not: a param without a grad contributes zeros.
+its grads arrive in, so buckets are launched in one agreed order; a bucket
+that completes early waits for those before it. The first backward uses
+descending index; at its end the ranks take the leading rank's order of
+completion, which the later ones follow. Descending index is the order
+backward completes a single param group's buckets, but not several groups':
+a group of biases and norm weights (what transformers' Trainer exempts from
+weight decay) completes at the first block, last, and would hold back every
+bucket of the other groups until then. At the end of backward (an autograd
+engine callback) the rest are launched, complete or not: a param without a
+grad contributes zeros.
 
 Stage 3 gathers units during backward, so a reduction must be launched at
 the same point among those gathers on every rank, and a bucket's last grad
@@ -86,7 +92,10 @@ class GradReducer:
         self._slot_owner: dict[tuple, Bucket] = {}
         self._pending = []                # (work, tensor kept alive until it is done)
         self._round_open = False
-        self._next = -1
+        self._sequence: list[Bucket] = []   # the launch order
+        self._learned = False             # the ranks agreed on it
+        self._completed: list[Bucket] = []  # this round, as its buckets completed
+        self._next = 0                    # the next in _sequence to launch
         self.bucket_bytes = bucket_bytes  # ZeroAdamW's option (None: the default cap)
         # stage 3: buckets launch when stage 3 says their unit is done
         # (unit_done) or when backward ends, never on their last grad
@@ -123,6 +132,7 @@ class GradReducer:
             members = [b for b in self.buckets if b.reduce_dtype == dtype]
             if not members:
                 continue
+            self._learned = False     # buckets came: the order is learned anew
             numel = self._slot_numel(dtype)
             have = self._staging.get(dtype)
             if have is not None and have[0].numel() >= numel:
@@ -171,7 +181,11 @@ class GradReducer:
         if self.before_new_grads is not None:
             self.before_new_grads()
         self._round_open = True
-        self._next = len(self.buckets) - 1
+        if not self._learned or len(self._sequence) != len(self.buckets):
+            self._sequence = list(reversed(self.buckets))
+            self._learned = False
+        self._completed = []
+        self._next = 0
         for bucket in self.buckets:
             self._of(bucket).open(len(bucket.params))
         try:
@@ -259,16 +273,18 @@ class GradReducer:
                 progress.arrived_now += 1     # distinct params, so a repeat cannot launch early
         param.grad = None
         progress.arrived[index] = True
-        if progress.arrived_now == bucket.trainable and self.launch_when_staged:
-            self._launch_ready()
+        if progress.arrived_now == bucket.trainable and progress.launches == 0:
+            self._completed.append(bucket)
+            if self.launch_when_staged:
+                self._launch_ready()
 
     def _launch_ready(self) -> None:
-        while self._next >= 0:
-            bucket = self.buckets[self._next]
+        while self._next < len(self._sequence):
+            bucket = self._sequence[self._next]
             if bucket.trainable and self._of(bucket).arrived_now < bucket.trainable:
                 return
             self._launch(bucket)
-            self._next -= 1
+            self._next += 1
 
     def _launch(self, bucket: Bucket) -> None:
         progress = self._of(bucket)
@@ -353,12 +369,14 @@ class GradReducer:
             # backward may wait for one of them; then those reopened. The
             # agreement waits for the data in flight: a hybrid engine's
             # chains start their replicate phase on the group it uses.
-            for bucket in reversed(self.buckets):
+            for bucket in self._sequence:
                 if self._of(bucket).launches == 0:
                     self._launch(bucket)
-            self._next = -1
+            self._next = len(self._sequence)
             self.wait_all()
             self._agree_late()
+            if not self._learned:
+                self._learn_order()
             for bucket in reversed(self.buckets):
                 self._launch(bucket)
         self.wait_all()
@@ -378,6 +396,21 @@ class GradReducer:
         for bucket, mine, anyone in zip(self.buckets, reopened, flags.tolist()):
             if anyone and not mine:
                 self._reopen(bucket)
+
+    def _learn_order(self) -> None:
+        """The launch order from now on: the leading rank's order of
+        completion in this backward, then the buckets it did not complete,
+        in descending index. Every rank takes the same one."""
+        position = {id(b): i for i, b in enumerate(self.buckets)}
+        done = [position[id(b)] for b in self._completed]
+        rest = [i for i in reversed(range(len(self.buckets))) if i not in set(done)]
+        order = self.comm.statuses(done + rest, "backward (the order grads complete)")[0]
+        if sorted(order) != list(range(len(self.buckets))):
+            raise RuntimeError(f"the ranks hold different buckets ({len(self.buckets)} here, "
+                               f"{len(order)} on the leading rank): build the same "
+                               f"optimizer on every rank")
+        self._sequence = [self.buckets[i] for i in order]
+        self._learned = True
 
     def _reopen(self, bucket: Bucket) -> None:
         """Stages the bucket anew. Its next launch adds into the grad shard
