@@ -196,11 +196,15 @@ class GradReducer:
     def unit_done(self, buckets) -> None:
         """Backward is done with a stage-3 unit: those of its buckets that
         are this reducer's, and not launched yet this round, launch now (in
-        descending index, on every rank at the same event)."""
+        descending index, on every rank at the same event). A unit with
+        none of them (another optimizer's) opens no round here."""
+        theirs = {id(b) for b in buckets}
+        mine = [b for b in reversed(self.buckets) if id(b) in theirs and b.trainable]
+        if not mine:
+            return
         self._open_round()
-        mine = {id(b) for b in buckets}
-        for bucket in reversed(self.buckets):
-            if id(bucket) in mine and self._of(bucket).launches == 0:
+        for bucket in mine:
+            if self._of(bucket).launches == 0:
                 self._launch(bucket)
 
     def _backward_ends(self) -> None:

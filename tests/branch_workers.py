@@ -166,3 +166,59 @@ def train(rank, world_size, kind, stage, steps, extra_of, options=None):
         params = {name: p.detach().clone() for name, p in model.named_parameters()}
     return {"params": params, "per_backward": per_backward, "overlapped": overlapped,
             "shared_reductions": shared_reductions}
+
+
+
+class AuxNet(BranchNet):
+    """BranchNet with an auxiliary head large enough to be a unit of its
+    own, whose loss odd steps leave out on every rank (a value head that
+    only some backwards reach)."""
+
+    def __init__(self):
+        super().__init__()
+        self.aux = torch.nn.Linear(WIDTH, 80)
+
+    def forward(self, ids, with_aux=True):
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = block(h)
+        loss = self.head(h).pow(2).mean()
+        return loss + 0.1 * self.aux(h).pow(2).mean() if with_aux else loss
+
+
+def two_optimizers(rank, world_size, steps):
+    """A sharded AuxNet with the auxiliary head under an optimizer of its
+    own; each step's bucket reductions by optimizer, and the whole params."""
+    model = AuxNet()
+    rlhfz.shard_model(model, param_persistence_threshold=64)
+    aux = list(model.aux.parameters())
+    rest = [p for name, p in model.named_parameters() if not name.startswith("aux.")]
+    opts = [rlhfz.ZeroAdamW(rest, stage=3, lr=1e-2), rlhfz.ZeroAdamW(aux, stage=3, lr=1e-2)]
+
+    def launches(opt):       # the reductions its buckets have had (they share a comm)
+        return sum(opt.engine.reducer.version(b) for b in opt.engine.buckets)
+    per_step = []
+    for step, ids in enumerate(batches(steps)):
+        for opt in opts:
+            opt.zero_grad()
+        before = [launches(opt) for opt in opts]
+        model(ids[rank::world_size], step % 2 == 0).backward()
+        per_step.append([launches(opt) - b for opt, b in zip(opts, before)])
+        for opt in opts:
+            opt.step()
+    return {"params": rlhfz.full_state_dict(model, rank0_only=False), "per_step": per_step}
+
+
+def two_optimizers_reference(world_size, steps):
+    model = AuxNet()
+    aux = list(model.aux.parameters())
+    rest = [p for name, p in model.named_parameters() if not name.startswith("aux.")]
+    opts = [torch.optim.AdamW(rest, lr=1e-2), torch.optim.AdamW(aux, lr=1e-2)]
+    for step, ids in enumerate(batches(steps)):
+        for opt in opts:
+            opt.zero_grad()
+        losses = [model(ids[r::world_size], step % 2 == 0) for r in range(world_size)]
+        (sum(losses) / world_size).backward()
+        for opt in opts:
+            opt.step()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}

@@ -64,3 +64,19 @@ def test_a_module_shared_by_two_reentrant_checkpoints(stage, extra_of):
     for r in results:
         assert r["shared_reductions"] == [[2] * len(r["shared_reductions"][0])] * 4
         assert len(r["shared_reductions"][0]) == 2
+
+
+def test_a_backward_without_an_optimizers_params_reduces_nothing_for_it():
+    """Two optimizers on one sharded model, the second over an auxiliary
+    head (a unit of its own) whose loss odd steps leave out on every rank.
+    Backward told each optimizer of each unit it was done with; the second
+    opened a round for units holding none of its params, and reduce-
+    scattered zeros for its head when backward ended."""
+    steps = 4
+    expected = workers.two_optimizers_reference(2, steps)
+    for result in run_ranks(workers.two_optimizers, 2, steps):
+        for name, value in expected.items():
+            assert _relative(result["params"][name], value) <= 1e-5, name
+        rest, branch = zip(*result["per_step"])
+        assert all(n > 0 for n in rest) and all(n > 0 for n in branch[0::2])
+        assert list(branch[1::2]) == [0, 0]
