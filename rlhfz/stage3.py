@@ -33,12 +33,22 @@ gathers it again anyway.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import weakref
 
 import torch
 
 ROOT = "<root>"
+# set (to anything but 0): every rank checks before each gather that the
+# others gather the same unit
+CHECK_UNITS = "RLHFZ_CHECK_UNITS"
+_CHECKED = "a stage-3 gather"
+DIVERGED = (f"At stage 3, ranks that run different units (a layer one rank skips, as "
+            f"LayerDrop does; a branch around a whole unit) end this way too, or crash inside "
+            f"gloo: set {CHECK_UNITS}=1 to check every gather, naming the unit where the "
+            f"ranks part. Every rank must run the same units in the same order; make the "
+            f"module that holds the branch the unit (wrap=[...]).")
 
 
 def _unit_modules(model: torch.nn.Module, wrap) -> list[torch.nn.Module]:
@@ -179,6 +189,7 @@ class Stage3:
 
     def __init__(self, comm, units: list[tuple[torch.nn.Module, list]], root=None):
         self.comm = comm
+        comm.explain_failures(DIVERGED)
         self.root = root
         self.units = []                       # [(module, [buckets])]
         self.handles = []
@@ -286,6 +297,10 @@ class Stage3:
         works = []
         if self.gather_rank is not None:
             self._rooted.add(index)
+        if os.environ.get(CHECK_UNITS, "0") != "0" and \
+                any(b.gathered is None for b in self.units[index][1]):
+            module = self.units[index][0]
+            self.comm.agree(_CHECKED, f"unit {index} ({type(module).__name__})")
         for bucket in self.units[index][1]:
             if bucket.gathered is None:
                 works.append(bucket.gather(self.comm, async_op=async_op,

@@ -34,10 +34,10 @@ class BranchNet(torch.nn.Module):
         self.blocks = torch.nn.ModuleList([Block() for _ in range(blocks)])
         self.head = torch.nn.Linear(WIDTH, 1)
 
-    def forward(self, ids, extra=()):
+    def forward(self, ids, extra=(), order=None):
         h = self.embed(ids)
-        for i, block in enumerate(self.blocks):
-            h = block(h, use_extra=i in extra)
+        for i in order or range(len(self.blocks)):
+            h = self.blocks[i](h, use_extra=i in extra)
         return self.head(h).pow(2).mean()
 
 
@@ -222,3 +222,28 @@ def two_optimizers_reference(world_size, steps):
         for opt in opts:
             opt.step()
     return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+
+def units_skipped(rank, world_size, check):
+    """Stage 3; in the second step, with `check` (RLHFZ_CHECK_UNITS), rank
+    0 skips block 1 and rank 1 block 2 (LayerDrop with a seed per rank);
+    without, rank 1 runs blocks 1 and 2 the other way round. Every rank's
+    error, and whether it stepped."""
+    os.environ["RLHFZ_COLLECTIVE_TIMEOUT"] = "10"
+    if check:
+        os.environ["RLHFZ_CHECK_UNITS"] = "1"
+    model = BranchNet()
+    opt = rlhfz.ZeroAdamW(model, stage=3, lr=1e-2, param_persistence_threshold=64)
+    ids = batches(2)
+    opt.zero_grad()
+    model(ids[0][rank::world_size]).backward()
+    opt.step()
+    opt.zero_grad()
+    try:
+        orders = [(0, 2), (0, 1)] if check else [(0, 1, 2), (0, 2, 1)]
+        model(ids[1][rank::world_size], order=orders[rank]).backward()
+        opt.step()
+    except rlhfz.comm.CollectiveError as caught:
+        return {"error": f"{type(caught).__name__}: {caught}", "stepped": False}
+    return {"error": None, "stepped": True}

@@ -80,3 +80,26 @@ def test_a_backward_without_an_optimizers_params_reduces_nothing_for_it():
         rest, branch = zip(*result["per_step"])
         assert all(n > 0 for n in rest) and all(n > 0 for n in branch[0::2])
         assert list(branch[1::2]) == [0, 0]
+
+
+
+
+def test_ranks_that_run_different_units_are_told_where_with_the_check_on():
+    """Rank 0 skips block 1 and rank 1 block 2: with RLHFZ_CHECK_UNITS=1
+    every rank fails at the first gather where they part, naming each
+    one's unit, before any of its data moved, and nothing steps. Without
+    the check, gloo aborted a rank's process there."""
+    for result in run_ranks(workers.units_skipped, 2, True):
+        assert not result["stepped"]
+        assert result["error"].startswith("CollectiveMismatchError: ranks disagree")
+        assert "a stage-3 gather" in result["error"]
+        assert result["error"].count("(Block)") == 2
+
+
+def test_a_gather_that_times_out_at_stage_3_says_how_to_find_where_ranks_part():
+    """Rank 1 runs two blocks the other way round: a gather times out (its
+    prefetches differ), and the error names the check to turn on."""
+    for result in run_ranks(workers.units_skipped, 2, False):
+        assert not result["stepped"]
+        assert result["error"].startswith("CollectiveError")
+        assert "RLHFZ_CHECK_UNITS=1" in result["error"] and "wrap=[...]" in result["error"]

@@ -88,6 +88,11 @@ class Communicator:
         rank learns that one failed."""
         return self.control.exchange(value, call)
 
+    def explain_failures(self, hint: str) -> None:
+        """Adds `hint` to the error of every data collective that fails or
+        times out from now on (what a user of stage 3 may have done)."""
+        self.control.hint = hint
+
     def all_reduce_sum_host(self, value: float) -> float:
         return self.control.all_reduce_sum_host(value)
 

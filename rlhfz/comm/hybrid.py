@@ -171,6 +171,10 @@ class HybridCommunicator(Communicator):
         within = self.control.exchange(value, call)
         return [v for group in self.across.control.exchange(within, call) for v in group]
 
+    def explain_failures(self, hint: str) -> None:
+        super().explain_failures(hint)
+        self.across.explain_failures(hint)
+
     def all_reduce_max_control(self, tensor: torch.Tensor, call: str) -> None:
         self.control.all_reduce_max(tensor, call)
         self.across.control.all_reduce_max(tensor, call)
