@@ -36,8 +36,8 @@ There, a unit's buckets launch when backward is done with the unit
 (unit_done, told by stage 3 from the unit's inputs' grads, the same event
 on every rank), and the rest when backward ends.
 
-A grad that comes after its bucket was launched (a unit's param reached
-outside its inputs' path, a weight shared by two checkpointed segments)
+A grad that comes after its bucket was launched (a weight shared by two
+reentrant checkpointed segments, whose nested backwards each end a use)
 reopens the bucket, to be reduced again when backward ends. That may happen
 on one rank alone, so at the end of each backward the ranks agree, in one
 small MAX all-reduce, which buckets to reduce again; a rank without such
