@@ -407,7 +407,8 @@ class GradReducer:
         in descending index. Every rank takes the same one."""
         position = {id(b): i for i, b in enumerate(self.buckets)}
         done = [position[id(b)] for b in self._completed]
-        rest = [i for i in reversed(range(len(self.buckets))) if i not in set(done)]
+        completed = set(done)
+        rest = [i for i in reversed(range(len(self.buckets))) if i not in completed]
         order = self.comm.statuses(done + rest, "backward (the order grads complete)")[0]
         if sorted(order) != list(range(len(self.buckets))):
             raise RuntimeError(f"the ranks hold different buckets ({len(self.buckets)} here, "
