@@ -781,8 +781,12 @@ class ZeroAdamW(Optimizer):
         process groups it made for its collectives (sockets, gloo threads),
         the native NCCL communicator (collectives="nccl"), and the pinned
         buffers reload() kept for the next offload. Every rank calls it; the
-        optimizer cannot step afterwards. The model's params keep their
-        values and train with whatever optimizer comes next."""
+        optimizer cannot step afterwards. At stages 0-2 the model's params
+        keep their values and train with whatever optimizer comes next. At
+        stage 3 across ranks the model stays sharded: its forward,
+        generation, state_dict and save_pretrained work, and its params
+        keep their shards for the model's life, so another optimizer over
+        them (rlhfz's or torch's) is refused with an error that says so."""
         self._closed = True
         _let_go(self._engines)
         from .engine import release_pinned

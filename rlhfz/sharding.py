@@ -21,6 +21,7 @@ import os
 import weakref
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .comm import communicator_for
@@ -33,6 +34,44 @@ ATTRIBUTE = "_rlhfz_sharding"
 STATE_DICT_TIMEOUT_S = 60.0
 _STAGE3 = "_rlhfz_stage3"
 _OWNERS = WeakIdKeyDictionary()           # param -> its ShardedModel
+_GUARD: list = []                         # the step pre-hook on torch's optimizers, once
+
+
+def _refuse_placeholders(optimizer, args, kwargs):
+    """Before any optimizer's step but rlhfz's own: one over params of a
+    model sharded across ranks would step empty placeholders with grads
+    no rank reduced (torch's error would name only a size)."""
+    if not len(_OWNERS) or _wraps_rlhfz(optimizer):
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            record = _OWNERS.get(p)
+            if record is not None and record.stage3 is not None:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} was given params of a model sharded at "
+                    f"stage 3 across ranks (by ZeroAdamW(stage=3) or shard_model): between "
+                    f"uses they are empty placeholders, their values live in rlhfz's shards, "
+                    f"and no rank reduces their grads for another optimizer. Train them with "
+                    f"the ZeroAdamW that holds them (change its param_groups in place for "
+                    f"new hyperparameters); a model sharded with shard_model takes "
+                    f"ZeroAdamW(model, stage=3)")
+
+
+def _wraps_rlhfz(optimizer) -> bool:
+    """Whether it is rlhfz's optimizer, or a wrapper around one (accelerate's
+    AcceleratedOptimizer keeps it as .optimizer and shares its groups)."""
+    for _ in range(8):
+        if optimizer is None:
+            return False
+        if type(optimizer).__module__.split(".")[0] == "rlhfz":
+            return True
+        optimizer = getattr(optimizer, "optimizer", None)
+    return False
+
+
+def _guard_torch_optimizers() -> None:
+    if not _GUARD:
+        _GUARD.append(register_optimizer_step_pre_hook(_refuse_placeholders))
 
 
 class ShardedModel:
@@ -58,6 +97,7 @@ class ShardedModel:
         setattr(model, ATTRIBUTE, self)
         self.state_dict_control = None
         if self.stage3 is not None:
+            _guard_torch_optimizers()
             setattr(model, _STAGE3, self.stage3)
             # model.state_dict() called on one rank alone (a save on rank 0
             # only) fails in a minute, not at the collectives' timeout

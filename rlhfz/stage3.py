@@ -262,7 +262,9 @@ class Stage3:
                 self._sites[index].add(id(site))
                 self.handles += [
                     site.register_forward_pre_hook(_eager(_pre_forward(ref, index))),
-                    site.register_forward_hook(_eager(_post_forward(ref, index))),
+                    # always_call: a site that raised leaves no count behind
+                    site.register_forward_hook(_eager(_post_forward(ref, index)),
+                                               always_call=True),
                     site.register_forward_pre_hook(_eager(_mark_backward_done(ref, index)),
                                                    with_kwargs=True)]
 

@@ -457,3 +457,66 @@ def own_param_training(rank, world_size, steps):
         evaluated = model(PROMPT % 50)
     return {"losses": losses, "evaluated": evaluated,
             "state": rlhfz.full_state_dict(model, rank0_only=False)}
+
+
+def block_that_raised(rank, world_size):
+    """A unit's module called alone (outside a forward of the model) with an
+    input it refuses, then with a good one: whether each call leaves the
+    unit whole, and the good call's output against the same block unsharded."""
+    model = tiny_lm("gpt2").eval()
+    block = model.transformer.h[1]
+    hidden = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = block(hidden)[0]
+    opt = rlhfz.ZeroAdamW(model, stage=3, param_persistence_threshold=64)
+    stage3 = opt.stage3
+    out = {}
+    with torch.no_grad():
+        try:
+            block(hidden[..., :7])                   # the wrong width
+        except RuntimeError:
+            out["after_raise"] = stage3.gathered_bytes()
+        got = block(hidden)[0]
+        out["after_good"] = stage3.gathered_bytes()
+        out["error"] = float((got - expected).abs().max())
+    # and with grads: the good call's backward still gives each rank its grads
+    block(hidden.requires_grad_()).__getitem__(0).sum().backward()
+    out["after_backward"] = stage3.gathered_bytes()
+    return out
+
+
+def torch_optimizer_on_placeholders(rank, world_size):
+    """torch's AdamW over a stage-3 model's params: refused before it
+    steps, with the optimizer built, after close(), and over a model
+    sharded with shard_model; and what the refusal leaves."""
+    out = {}
+    model = tiny_lm("gpt2")
+    opt = rlhfz.ZeroAdamW(model, stage=3, lr=1e-2, param_persistence_threshold=64)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    other = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(PROMPT).logits.sum().backward()
+    for case in ("live", "closed"):
+        try:
+            other.step()
+            out[case] = None
+        except RuntimeError as error:
+            out[case] = str(error)
+        if case == "live":
+            opt.step()                      # rlhfz's own still steps
+            out["stepped"] = any(not torch.equal(before[k], v)
+                                 for k, v in model.state_dict().items())
+            opt.close()
+    reference = tiny_lm("gpt2", seed=1)
+    rlhfz.shard_model(reference, param_persistence_threshold=64)
+    try:
+        torch.optim.SGD(reference.parameters(), lr=0.1).step()
+        out["shard_model"] = None
+    except RuntimeError as error:
+        out["shard_model"] = str(error)
+    # a plain model beside them trains as ever
+    plain = torch.nn.Linear(4, 4)
+    plain(torch.ones(1, 4)).sum().backward()
+    weight = plain.weight.detach().clone()
+    torch.optim.AdamW(plain.parameters(), lr=0.1).step()
+    out["plain_stepped"] = not torch.equal(weight, plain.weight)
+    return out

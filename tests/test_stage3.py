@@ -4,6 +4,7 @@ gather_for_generation on GPT-2 and Llama-style models built from configs."""
 import pytest
 import torch
 
+import rlhfz
 import stage3_workers as workers
 from rlhfz.launch import run_ranks
 
@@ -340,3 +341,37 @@ def test_gather_for_generation_is_a_no_op_below_stage_3_and_checks_its_arguments
                 pass
     with pytest.raises(ValueError, match="bucket_bytes must be an int > 0"):
         list(rlhfz.iter_full_params(model, 0))
+
+
+def test_a_unit_called_alone_that_raised_is_let_go():
+    """A raise inside a unit's module, called outside a forward of the model,
+    leaves no count that would keep the unit whole at its next call."""
+    for result in run_ranks(workers.block_that_raised, 2):
+        assert result["after_raise"] == 0
+        assert result["after_good"] == 0
+        assert result["after_backward"] == 0
+        assert result["error"] < 1e-6
+
+
+def test_torch_optimizer_over_sharded_params_is_refused():
+    """Between uses a stage-3 param is an empty placeholder whose grad no rank
+    reduced for another optimizer: torch's optimizers are refused before
+    they step (torch's own error would name only a size), while a plain
+    model's still train."""
+    for result in run_ranks(workers.torch_optimizer_on_placeholders, 2):
+        for case in ("live", "closed", "shard_model"):
+            assert result[case] is not None, case
+            assert "sharded at stage 3" in result[case], result[case]
+            assert "ZeroAdamW" in result[case]
+        assert result["stepped"] and result["plain_stepped"]
+
+
+def test_torch_optimizer_over_a_one_process_sharded_model_trains():
+    """With one process shard_model leaves the params whole: nothing to refuse."""
+    model = workers.tiny_lm("gpt2")
+    rlhfz.shard_model(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = model.transformer.h[0].mlp.c_fc.weight.detach().clone()
+    model(workers.PROMPT).logits.sum().backward()
+    opt.step()
+    assert not torch.equal(before, model.transformer.h[0].mlp.c_fc.weight)
