@@ -72,15 +72,23 @@ def _save_adapters(record, peft_model, path: str) -> None:
     and the rest stay placeholders, which it leaves alone."""
     state = peft_model.state_dict(keep_vars=True)
     slots = record.sharded_slots() if record is not None else {}
-    picked = _picked_by_peft(peft_model, state)
+    derived_refused = ("save_pretrained(adapters='only'): PEFT computes some of this model's "
+                       "adapter tensors from others (AdaLoRA's rank pattern, say), which "
+                       "stage 3 holds as shards: gather the model with "
+                       "gather_for_generation(model) and call its own save_pretrained inside")
+    try:
+        picked = _picked_by_peft(peft_model, state)
+    except (IndexError, RuntimeError, ValueError) as error:
+        if record is None:
+            raise
+        # what PEFT computes from them, it computed from the empty placeholders
+        raise NotImplementedError(f"{derived_refused} (PEFT: {type(error).__name__}: "
+                                  f"{error})") from error
     wanted = {id(t) for t in picked if id(t) in slots}
     held = {id(t) for t in state.values()}
     derived = [t for t in picked if id(t) not in held]
     if record is not None and derived:
-        raise NotImplementedError(
-            "save_pretrained(adapters='only'): PEFT computes some of this model's adapter "
-            "tensors from others, which stage 3 holds as shards: gather the model with "
-            "gather_for_generation(model) and call its own save_pretrained inside")
+        raise NotImplementedError(derived_refused)
     keep = record is None or record.comm.leads
     got = (gathered_values(record, wanted, keep, "save_pretrained")
            if record is not None else {})

@@ -415,3 +415,40 @@ def adapters_saved(rank, world_size, directory):
         else:
             rlhfz.shard_model(model, param_persistence_threshold=16)
         rlhfz.save_pretrained(model, os.path.join(directory, case), adapters="only")
+
+
+def adalora_model():
+    """AdaLoRA on a tiny GPT-2, with the rank pattern its allocator would set
+    (half of each adapter's ranks kept): PEFT's adapter state dict then
+    holds tensors it indexes out of the params, not the params."""
+    from peft import AdaLoraConfig, get_peft_model
+    model = get_peft_model(tiny_lm("gpt2"), AdaLoraConfig(
+        target_modules=["c_attn"], init_r=4, target_r=2, total_step=10, tinit=1, tfinal=1))
+    names = [n for n, _ in model.named_parameters() if "lora_E" in n]
+    model.peft_config["default"].rank_pattern = {
+        n.removeprefix("base_model.model.").removesuffix(".default"): [True, False, True, False]
+        for n in names}
+    return model
+
+
+def adalora_saved(rank, world_size, directory):
+    """save_pretrained of the AdaLoRA model at stage 3, adapters 'only' and
+    merged: the error each rank gets and whether anything was written; then
+    what the error says to do, PEFT's own save inside gather_for_generation."""
+    import warnings
+    warnings.simplefilter("ignore")
+    model = adalora_model()
+    rlhfz.ZeroAdamW(model, stage=3, param_persistence_threshold=16)
+    errors = {}
+    for adapters in ("only", "merged"):
+        try:
+            rlhfz.save_pretrained(model, os.path.join(directory, adapters), adapters=adapters)
+            errors[adapters] = None
+        except NotImplementedError as caught:
+            errors[adapters] = str(caught)
+    written = [a for a in errors if os.path.exists(os.path.join(directory, a))
+               and os.listdir(os.path.join(directory, a))]
+    with rlhfz.gather_for_generation(model):
+        if rank == 0:
+            model.save_pretrained(os.path.join(directory, "remedy"))
+    return {"errors": errors, "written": written}

@@ -420,3 +420,24 @@ def test_lora_on_embeddings_and_modules_to_save_saves_as_peft_does(tmp_path, cas
     with torch.no_grad():
         assert torch.equal(loaded(stage3_workers.PROMPT).logits,
                            again(stage3_workers.PROMPT).logits)
+
+
+def test_adapters_only_of_tensors_peft_derives_is_refused_at_stage_3(tmp_path):
+    """AdaLoRA with a rank pattern: PEFT saves rows it indexes out of the
+    adapters, which stage 3 holds as shards. Every rank refuses, says what to
+    do, and writes nothing; doing what it says writes PEFT's own files."""
+    pytest.importorskip("peft")
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = workers.adalora_model()
+        model.save_pretrained(tmp_path / "peft")        # one process: PEFT's own
+        rlhfz.save_pretrained(model, tmp_path / "ours", adapters="only")
+    peft_files = _adapter_files(tmp_path / "peft")
+    _assert_same_files(_adapter_files(tmp_path / "ours"), peft_files)
+    sharded = tmp_path / "sharded"
+    for result in run_ranks(workers.adalora_saved, 2, str(sharded)):
+        assert "gather_for_generation" in result["errors"]["only"]
+        assert "SVDLinear" in result["errors"]["merged"]     # not merged as PEFT does
+        assert result["written"] == []
+    _assert_same_files(_adapter_files(sharded / "remedy"), peft_files)
