@@ -34,6 +34,12 @@ _TIERS = ("device", "pinned", "host", "disk")
 _KINDS = ("params", "grads", "master", "exp_avg", "exp_avg_sq")
 
 _LIVE = weakref.WeakSet()
+SEVERAL_REDUCERS = (
+    "With more than one ZeroAdamW at stage 2 or 3, a backward that gives grads to one "
+    "optimizer's params on some ranks only (a loss term that some ranks' batches leave out) "
+    "ends this way too: that optimizer reduces on those ranks alone. Put such params in one "
+    "ZeroAdamW as param groups, which adds zeros where no grad came, or make every rank's "
+    "loss reach them (add 0 * the term).")
 
 
 def _tensors_of(params: list) -> list:
@@ -214,6 +220,7 @@ class ZeroAdamW(Optimizer):
                 self.engine.use_reducer(GradReducer(self.engine.buckets, self.comm, self.backend,
                                                     self.bucket_bytes))
                 watch_zero_grad(self.engine)
+                self._explain_several_reducers()
             # Stage 3 across ranks: params sharded too, gathered per unit
             # (stage3.py); the model's frozen params are sharded beside them
             # (sharding.py), and a model sharded before brings its own.
@@ -258,6 +265,15 @@ class ZeroAdamW(Optimizer):
                 self.comm.destroy()
             except Exception:       # noqa: BLE001 (the constructor's own error is the news)
                 pass
+
+    def _explain_several_reducers(self) -> None:
+        """With another live optimizer that reduces grads in backward, a
+        collective failure may mean a backward left one of them out on some
+        ranks: the errors of both say so from now on."""
+        others = [o for o in live_optimizers()
+                  if o is not self and not o._closed and o.reducer is not None]
+        for optimizer in others + ([self] if others else []):
+            optimizer.comm.explain_failures(SEVERAL_REDUCERS)
 
     def _refuse_params_of_another(self, tensors: list) -> None:
         """A param another live ZeroAdamW trains, where either one's grads go

@@ -178,12 +178,12 @@ class AuxNet(BranchNet):
         super().__init__()
         self.aux = torch.nn.Linear(WIDTH, 80)
 
-    def forward(self, ids, with_aux=True):
+    def forward(self, ids, with_aux=True, aux_scale=0.1):
         h = self.embed(ids)
         for block in self.blocks:
             h = block(h)
         loss = self.head(h).pow(2).mean()
-        return loss + 0.1 * self.aux(h).pow(2).mean() if with_aux else loss
+        return loss + aux_scale * self.aux(h).pow(2).mean() if with_aux else loss
 
 
 def two_optimizers(rank, world_size, steps):
@@ -207,6 +207,41 @@ def two_optimizers(rank, world_size, steps):
         for opt in opts:
             opt.step()
     return {"params": rlhfz.full_state_dict(model, rank0_only=False), "per_step": per_step}
+
+
+def aux_on_rank_0(rank, world_size, steps, remedy):
+    """Stage 2, the auxiliary head under an optimizer of its own, its loss
+    on rank 0 alone; with `remedy` the other ranks add 0 * that loss. The
+    params, or the error each rank got."""
+    os.environ["RLHFZ_COLLECTIVE_TIMEOUT"] = "3"
+    model = AuxNet()
+    aux = list(model.aux.parameters())
+    rest = [p for name, p in model.named_parameters() if not name.startswith("aux.")]
+    opts = [rlhfz.ZeroAdamW(rest, stage=2, lr=1e-2), rlhfz.ZeroAdamW(aux, stage=2, lr=1e-2)]
+    try:
+        for ids in batches(steps):
+            for opt in opts:
+                opt.zero_grad()
+            mine = ids[rank::world_size]
+            loss = model(mine) if rank == 0 else \
+                model(mine, remedy, aux_scale=0.0)
+            loss.backward()
+            for opt in opts:
+                opt.step()
+    except rlhfz.CollectiveError as error:
+        return {"error": str(error)}
+    return {"error": None, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def aux_on_rank_0_reference(world_size, steps):
+    model = AuxNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for ids in batches(steps):
+        opt.zero_grad()
+        losses = [model(ids[r::world_size], r == 0) for r in range(world_size)]
+        (sum(losses) / world_size).backward()
+        opt.step()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
 def two_optimizers_reference(world_size, steps):

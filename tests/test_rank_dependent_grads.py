@@ -103,3 +103,19 @@ def test_a_gather_that_times_out_at_stage_3_says_how_to_find_where_ranks_part():
         assert not result["stepped"]
         assert result["error"].startswith("CollectiveError")
         assert "RLHFZ_CHECK_UNITS=1" in result["error"] and "wrap=[...]" in result["error"]
+
+
+def test_an_optimizer_that_gets_grads_on_some_ranks_only_fails_saying_why():
+    """Two optimizers at stage 2, the second's params reached by rank 0's
+    loss alone: it reduces on rank 0 alone. Every rank fails (nothing can
+    tell the others in time), and the error says what to do; doing it (0 *
+    the loss elsewhere) trains as torch AdamW on the mean of the losses."""
+    for result in run_ranks(workers.aux_on_rank_0, 2, 2, False):
+        assert result["error"] is not None
+        assert "more than one ZeroAdamW" in result["error"], result["error"]
+        assert "0 * the term" in result["error"]
+    expected = workers.aux_on_rank_0_reference(2, 3)
+    for result in run_ranks(workers.aux_on_rank_0, 2, 3, True):
+        assert result["error"] is None
+        for name, value in expected.items():
+            assert _relative(result["params"][name], value) <= 1e-5, name

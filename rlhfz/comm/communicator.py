@@ -89,9 +89,10 @@ class Communicator:
         return self.control.exchange(value, call)
 
     def explain_failures(self, hint: str) -> None:
-        """Adds `hint` to the error of every data collective that fails or
-        times out from now on (what a user of stage 3 may have done)."""
-        self.control.hint = hint
+        """Adds `hint` to the error of every collective that fails or times
+        out from now on (what a user may have done to get there)."""
+        if hint not in self.control.hints:
+            self.control.hints.append(hint)
 
     def all_reduce_sum_host(self, value: float) -> float:
         return self.control.all_reduce_sum_host(value)

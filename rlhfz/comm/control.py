@@ -126,7 +126,7 @@ class ControlPlane:
         self.global_ranks = ranks or list(range(self.world_size))   # group rank -> global
         self.rows = rows
         self.calls = 0                       # collective entry points this rank has made
-        self.hint = None                     # what else a data collective's failure may mean
+        self.hints: list[str] = []           # what else a collective's failure may mean
         # some ranks of the job: only they build on it (see the class's doc)
         self.shared = (rows is None and process_group is not None
                        and self.world_size < dist.get_world_size())
@@ -226,8 +226,11 @@ class ControlPlane:
         if _timed_out(error):
             return CollectiveMismatchError(
                 f"{where} not every rank of the {self.world_size} did within "
-                f"{self.timeout_s:.0f} s ({self.timeout_name}): {error}")
+                f"{self.timeout_s:.0f} s ({self.timeout_name}).{self._hints()} ({error})")
         return CollectiveError(f"{where} {_LOST.format(n=self.world_size)}: {error}")
+
+    def _hints(self) -> str:
+        return "".join(f" {hint}" for hint in self.hints)
 
     def failed(self, call: str, error: Exception) -> CollectiveError:
         """The error for a data collective that failed or timed out."""
@@ -237,10 +240,9 @@ class ControlPlane:
                     f"part (one died, hangs, or is in another call)")
         else:
             what = f"failed: it {_LOST.format(n=self.world_size)}"
-        hint = f" {self.hint}" if self.hint else ""
         return CollectiveError(f"rank {self.rank}: {call} {what}. The ranks cannot go on "
                                f"together: restart them and resume from the last checkpoint."
-                               f"{hint} ({error})")
+                               f"{self._hints()} ({error})")
 
     def lost(self, what: str) -> CollectiveError:
         """The error for a data engine's own finding (the NCCL watchdog's)."""
