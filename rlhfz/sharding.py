@@ -17,6 +17,7 @@ _rlhfz_sharding); every param it holds maps back to it.
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 import weakref
 
@@ -35,26 +36,39 @@ STATE_DICT_TIMEOUT_S = 60.0
 _STAGE3 = "_rlhfz_stage3"
 _OWNERS = WeakIdKeyDictionary()           # param -> its ShardedModel
 _GUARD: list = []                         # the step pre-hook on torch's optimizers, once
+_JOINED = [0]                             # bumped as params join a sharded model
+_CLEAR = weakref.WeakKeyDictionary()      # optimizer -> (_JOINED, its params' ids) found clear
+
+
+def _own(p, record) -> None:
+    _OWNERS[p] = record
+    _JOINED[0] += 1
 
 
 def _refuse_placeholders(optimizer, args, kwargs):
     """Before any optimizer's step but rlhfz's own: one over params of a
     model sharded across ranks would step empty placeholders with grads
-    no rank reduced (torch's error would name only a size)."""
+    no rank reduced (torch's error would name only a size). An optimizer
+    found clear is looked at again only when its params, or the sharded
+    params, change: the step pays for its params' ids, not their owners."""
     if not len(_OWNERS) or _wraps_rlhfz(optimizer):
         return
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            record = _OWNERS.get(p)
-            if record is not None and record.stage3 is not None:
-                raise RuntimeError(
-                    f"{type(optimizer).__name__} was given params of a model sharded at "
-                    f"stage 3 across ranks (by ZeroAdamW(stage=3) or shard_model): between "
-                    f"uses they are empty placeholders, their values live in rlhfz's shards, "
-                    f"and no rank reduces their grads for another optimizer. Train them with "
-                    f"the ZeroAdamW that holds them (change its param_groups in place for "
-                    f"new hyperparameters); a model sharded with shard_model takes "
-                    f"ZeroAdamW(model, stage=3)")
+    params = list(itertools.chain.from_iterable(g["params"] for g in optimizer.param_groups))
+    seen = (_JOINED[0], tuple(map(id, params)))
+    if _CLEAR.get(optimizer) == seen:
+        return
+    for p in params:
+        record = _OWNERS.get(p)
+        if record is not None and record.stage3 is not None:
+            raise RuntimeError(
+                f"{type(optimizer).__name__} was given params of a model sharded at "
+                f"stage 3 across ranks (by ZeroAdamW(stage=3) or shard_model): between "
+                f"uses they are empty placeholders, their values live in rlhfz's shards, "
+                f"and no rank reduces their grads for another optimizer. Train them with "
+                f"the ZeroAdamW that holds them (change its param_groups in place for "
+                f"new hyperparameters); a model sharded with shard_model takes "
+                f"ZeroAdamW(model, stage=3)")
+    _CLEAR[optimizer] = seen
 
 
 def _wraps_rlhfz(optimizer) -> bool:
@@ -93,7 +107,7 @@ class ShardedModel:
         self.unfilled: set[int] = set()       # built on the meta device, no load yet
         self.optimizer = None
         for p in model.parameters():
-            _OWNERS[p] = self
+            _own(p, self)
         setattr(model, ATTRIBUTE, self)
         self.state_dict_control = None
         if self.stage3 is not None:
@@ -398,7 +412,7 @@ def _materialize_shards(record, params: list) -> None:
             if id(p) in swap:
                 setattr(module, name, swap[id(p)])
     for new in swap.values():
-        _OWNERS[new] = record
+        _own(new, record)
     record.unfilled = {id(new) for new in swap.values()}
     if order:
         record.make_frozen([(unit, [swap[id(p)] for p in members]) for unit, members in order],

@@ -479,8 +479,8 @@ def block_that_raised(rank, world_size):
         got = block(hidden)[0]
         out["after_good"] = stage3.gathered_bytes()
         out["error"] = float((got - expected).abs().max())
-    # and with grads: the good call's backward still gives each rank its grads
-    block(hidden.requires_grad_()).__getitem__(0).sum().backward()
+    # and with grads: the unit goes once backward is done with it
+    block(hidden.requires_grad_())[0].sum().backward()
     out["after_backward"] = stage3.gathered_bytes()
     return out
 
@@ -517,6 +517,14 @@ def torch_optimizer_on_placeholders(rank, world_size):
     plain = torch.nn.Linear(4, 4)
     plain(torch.ones(1, 4)).sum().backward()
     weight = plain.weight.detach().clone()
-    torch.optim.AdamW(plain.parameters(), lr=0.1).step()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=0.1)
+    plain_opt.step()
     out["plain_stepped"] = not torch.equal(weight, plain.weight)
+    # found clear once, then given sharded params: looked at again
+    plain_opt.add_param_group({"params": list(reference.parameters())})
+    try:
+        plain_opt.step()
+        out["added"] = None
+    except RuntimeError as error:
+        out["added"] = str(error)
     return out

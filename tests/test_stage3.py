@@ -359,7 +359,7 @@ def test_torch_optimizer_over_sharded_params_is_refused():
     they step (torch's own error would name only a size), while a plain
     model's still train."""
     for result in run_ranks(workers.torch_optimizer_on_placeholders, 2):
-        for case in ("live", "closed", "shard_model"):
+        for case in ("live", "closed", "shard_model", "added"):
             assert result[case] is not None, case
             assert "sharded at stage 3" in result[case], result[case]
             assert "ZeroAdamW" in result[case]
