@@ -16,8 +16,10 @@ Stage3.gathers_onto).
    piece inside its bucket and its tensor, every element in exactly one),
    and every rank of the group, then every trainer, learns whether all
    agree, so that a mismatch is an error everywhere, never a hang.
-2. Then flat byte buckets, one broadcast each (plan_buckets), sent with as
-   few copies as the tensors allow:
+2. Then flat byte buckets, one broadcast each (plan_buckets; on gloo a
+   broadcast down a chain in pieces, BroadcastChannel.bytes, after which
+   every receiver says it holds them all), sent with as few copies as the
+   tensors allow:
    - tensors that lie back to back in one memory (a gathered stage-3 unit,
      a ZeroAdamW bucket) go as ranges of it, as they lie, gaps included;
    - a tensor of half a bucket or more goes alone, in chunks of a bucket,
@@ -60,7 +62,7 @@ from .model_state import unwrapped, whole_shape
 from .optim import owning_optimizer
 from .pretrained import export_entries
 
-FORMAT = "rlhfz.weight_sync.v3"
+FORMAT = "rlhfz.weight_sync.v4"
 # every packed piece starts on this many bytes, so a bucket's bytes view as any dtype
 PIECE_ALIGN = 16
 # A range of memory sent as it lies may carry this many bytes between two of
@@ -536,11 +538,15 @@ def sync_weights(model, group, *, src: int = 0, bucket_bytes: int = 256 << 20, d
             sender, channel, checksum, crc, root, handshake)
     elif gathers:
         sender.run(root)
-    if checksum and channel is not None and not failure:
-        channel.object(crc[0])
+    if channel is not None and not failure and (checksum or channel.chained):
+        if checksum:
+            channel.object(crc[0])
+        # src has heard only from the first receiver down a chain: every
+        # receiver says here that it holds every bucket (and its checksum)
         verdict = channel.verdict(None)
         if verdict is not None:
-            failure.append(f"a receiver's checksum did not match: {verdict}")
+            failure.append(f"a receiver's checksum did not match: {verdict}" if checksum else
+                           f"a receiver failed: {verdict}")
     # every trainer learns what src learned
     _agree_failure(comm, failure[0] if failure else None)
     return dict(report, seconds=time.perf_counter() - started)
@@ -821,6 +827,8 @@ def receive_weights(model, group, *, src: int = 0) -> dict:
         verdict = channel.verdict(error)
         if verdict is not None:
             raise WeightSyncError(f"receive_weights: checksum mismatch: {verdict}")
+    elif channel.chained:
+        channel.verdict(None)                   # src hears that every receiver holds it all
     return {"tensors": len(targets), "buckets": len(buckets),
             "bytes": sum(math.prod(s) * d.itemsize for s, d in specs),
             "seconds": time.perf_counter() - started}

@@ -729,3 +729,76 @@ def sync_cast_buffers(rank, world_size):
     except rlhfz.WeightSyncError as error:
         return str(error)
     return receiver.state_dict()
+
+
+def _record_sent(sent: list) -> None:
+    """Every point-to-point send and broadcast this rank makes: (kind, peer
+    or src, bytes)."""
+    isend, broadcast = dist.isend, dist.broadcast
+
+    def isend_(tensor, dst=None, *args, **kwargs):
+        sent.append(("isend", dst, tensor.numel() * tensor.element_size()))
+        return isend(tensor, dst, *args, **kwargs)
+
+    def broadcast_(tensor, src=None, *args, **kwargs):
+        sent.append(("broadcast", src, tensor.numel() * tensor.element_size()))
+        return broadcast(tensor, src, *args, **kwargs)
+    dist.isend, dist.broadcast = isend_, broadcast_
+
+
+def sync_down_the_chain(rank, world_size):
+    """Rank 0 sends a whole model to ranks 1 and 2 over gloo, in buckets of
+    several pieces: what each rank sent, and what the receivers got."""
+    from rlhfz.comm import channel
+    channel.CHAIN_PIECE_BYTES = 40 << 10          # several pieces a bucket, an odd last one
+    sync = dist.new_group([0, 1, 2])
+    model = tiny_lm("gpt2", seed=rank)
+    sent = []
+    _record_sent(sent)
+    if rank == 0:
+        report = rlhfz.sync_weights(model, sync, src=0, bucket_bytes=1 << 18, checksum=True)
+        report.update(rlhfz.sync_weights(model, sync, src=0, bucket_bytes=1 << 18))
+    else:
+        report = rlhfz.receive_weights(model, sync, src=0)
+        report.update(rlhfz.receive_weights(model, sync, src=0))
+    return {"sent": sent, "report": report, "whole": _params(model)}
+
+
+def sync_last_receiver_stops(rank, world_size, where):
+    """The last receiver down the chain stops (where="midway": after its
+    second bucket; "at_the_end": with every bucket in, before it says so)
+    and stays alive: the sender and the other receiver must raise, not
+    return as if every receiver held the weights."""
+    os.environ["RLHFZ_COLLECTIVE_TIMEOUT"] = "5"
+    from rlhfz.comm import channel
+    sync = dist.new_group([0, 1, 2])
+    model = tiny_lm("gpt2", seed=rank)
+    if rank == 2:
+        owner, name = ((channel._Chained, "_finish") if where == "midway" else
+                       (channel.BroadcastChannel, "verdict"))
+        inner, calls = getattr(owner, name), []
+
+        def stop(self, *args):
+            # midway: the third bucket; at the end: the verdict after the buckets
+            if len(calls) == (2 if where == "midway" else 1):
+                raise RuntimeError("the last receiver stops here")
+            calls.append(self)
+            return inner(self, *args)
+        setattr(owner, name, stop)
+    started, error = time.perf_counter(), None
+    try:
+        if rank == 0:
+            rlhfz.sync_weights(model, sync, src=0, bucket_bytes=1 << 16)
+        else:
+            rlhfz.receive_weights(model, sync, src=0)
+    except Exception as raised:                 # noqa: BLE001 - each rank says what it raised
+        error = f"{type(raised).__name__}: {raised}"
+    seconds, again = time.perf_counter() - started, None
+    if where == "midway" and rank == 1:         # its receives may still be posted
+        try:
+            rlhfz.receive_weights(model, sync, src=0)
+        except Exception as raised:             # noqa: BLE001
+            again = f"{type(raised).__name__}: {raised}"
+    if rank == 2:
+        time.sleep(12)                          # alive past the others' timeouts
+    return {"error": error, "seconds": seconds, "again": again}

@@ -419,3 +419,44 @@ def test_a_compiled_model_syncs_under_its_own_names():
         assert got.keys() == sent.keys()
         for name, value in sent.items():
             assert torch.equal(got[name], value), name
+
+
+def test_on_gloo_every_byte_leaves_each_rank_once_down_a_chain():
+    """gloo's broadcast sends every byte from src to each receiver; down
+    the chain src sends it to the first receiver alone, which passes it on
+    to the next. Buckets go in pieces; only the manifest, the checksum and
+    the verdicts are broadcasts (each one frame)."""
+    from rlhfz.comm.channel import FRAME_BYTES
+    src, first, last = run_ranks(workers.sync_down_the_chain, 3)
+    for receiver in (first, last):
+        for name, value in src["whole"].items():
+            assert torch.equal(receiver["whole"][name], value), name
+
+    def isends(rank):
+        return [(peer, n) for kind, peer, n in rank["sent"] if kind == "isend"]
+    assert {peer for peer, _ in isends(src)} == {1}
+    assert {peer for peer, _ in isends(first)} == {2} and not isends(last)
+    assert [n for _, n in isends(first)] == [n for _, n in isends(src)]   # piece for piece
+    sent = sum(n for _, n in isends(src))
+    assert 2 * src["report"]["bytes"] <= sent < 2 * src["report"]["bytes"] * 1.01
+    assert max(n for _, n in isends(src)) == 40 << 10
+    assert len(isends(src)) > 2 * src["report"]["buckets"]
+    for rank in (src, first, last):
+        assert all(n <= FRAME_BYTES for kind, _, n in rank["sent"] if kind == "broadcast")
+
+
+@pytest.mark.parametrize("where", ["midway", "at_the_end"])
+def test_a_receiver_down_the_chain_that_stops_fails_the_sender_and_the_others(where):
+    """src hears only from the first receiver while the buckets move: the
+    verdict at the end is how it learns that the last one holds them."""
+    results = run_ranks(workers.sync_last_receiver_stops, 3, where, timeout=180)
+    assert results[2]["error"] == "RuntimeError: the last receiver stops here", results[2]
+    for rank in (0, 1):
+        error = results[rank]["error"]
+        assert error is not None and error.startswith("CollectiveError"), (rank, error)
+        assert "RLHFZ_COLLECTIVE_TIMEOUT 5 s" in error, error
+        assert results[rank]["seconds"] < 4 * 5 + 5, results[rank]
+    if where == "midway":           # a group with transfers cut off is not used again
+        again = results[1]["again"]
+        assert again is not None and again.startswith("CollectiveError"), again
+        assert "dist.new_group" in again, again

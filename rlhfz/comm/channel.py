@@ -4,7 +4,11 @@ Weight sync runs over a process group of the sending trainer and the
 generation processes (OpenRLHF's model-update group), which rlhfz did not
 make and does not own. The channel keeps the sync's collectives in one
 place: small objects from the sender, every rank's verdict, and flat byte
-buckets, asynchronously. Every wait is cut off at rlhfz's timeout: the
+buckets, asynchronously. On gloo a bucket goes down a chain in pieces
+(src, then each receiver in turn, each passing a piece on as the next
+arrives), a broadcast pipelined as NCCL's rings pipeline theirs: gloo's own
+broadcast is a binomial tree of whole buffers, from which src sends every
+byte to each of its children. Every wait is cut off at rlhfz's timeout: the
 group is the caller's, under its own (often 30-minute) timeout, and a side
 that failed before it took part must not leave the other waiting that long.
 """
@@ -27,6 +31,14 @@ _LENGTH_BYTES = 8
 MAX_OBJECT_BYTES = 1 << 30
 # a verdict's message is cut to this many bytes
 MESSAGE_BYTES = 4096
+# A chained bucket moves in pieces of this size: small enough that a receiver
+# passes on its first piece soon, large enough that a send's fixed cost
+# (tens of microseconds) stays under 1% of its time on the wire.
+CHAIN_PIECE_BYTES = 4 << 20
+# (group, pieces, receives, sends) of each chained bucket cut off by a
+# failure: gloo may still write or read those pieces, and a later transfer
+# over the group would be matched with the receives still posted on it
+_ABANDONED: list = []
 
 
 def _as_tensor(data: bytes) -> torch.Tensor:
@@ -42,23 +54,64 @@ def in_group(group) -> bool:
     return dist.get_rank() in dist.get_process_group_ranks(group)
 
 
+def _wait(work, what: str) -> None:
+    """work.wait() cut off at rlhfz's timeout, as a CollectiveError."""
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=max(collective_timeout(), 1e-3)))
+    except RuntimeError as error:
+        raise CollectiveError(
+            f"rank {dist.get_rank()}: {what} did not complete: a rank of the group died, "
+            f"hangs, or is in another call (RLHFZ_COLLECTIVE_TIMEOUT "
+            f"{collective_timeout():.0f} s). ({error})") from error
+
+
 class _Sent:
-    """A broadcast in flight; wait() raises CollectiveError at the timeout."""
+    """A transfer in flight; wait() raises CollectiveError at the timeout."""
 
     def __init__(self, work, what: str):
         self.work, self.what = work, what
 
     def wait(self) -> None:
+        self._finish()
+
+    def _finish(self) -> None:
         work, self.work = self.work, None
-        if work is None:
-            return
+        if work is not None:
+            _wait(work, self.what)
+
+
+class _Chained(_Sent):
+    """A bucket on its way down the chain. On src its pieces' sends to the
+    first receiver; on a receiver the receives of its pieces from the rank
+    before it, each sent on to the rank after it (if any) as it arrives.
+    wait() returns once this rank holds every piece and the next rank has
+    them all, so the bucket's memory is free to be read or reused."""
+
+    def __init__(self, flat: torch.Tensor, chain: list[int], group, what: str):
+        super().__init__(None, what)
+        me = chain.index(dist.get_rank())
+        self.pieces = list(flat.split(CHAIN_PIECE_BYTES)) if flat.numel() else []
+        self.next = chain[me + 1] if me + 1 < len(chain) else None
+        self.group, self.sends, self.receives = group, [], []
+        if me == 0:
+            self.sends = [dist.isend(p, self.next, group=group) for p in self.pieces]
+        else:
+            self.receives = [dist.irecv(p, chain[me - 1], group=group) for p in self.pieces]
+
+    def _finish(self) -> None:
         try:
-            work.wait(timeout=datetime.timedelta(seconds=max(collective_timeout(), 1e-3)))
-        except RuntimeError as error:
-            raise CollectiveError(
-                f"rank {dist.get_rank()}: {self.what} did not complete: a rank of the group "
-                f"died, hangs, or is in another call (RLHFZ_COLLECTIVE_TIMEOUT "
-                f"{collective_timeout():.0f} s). ({error})") from error
+            for piece, work in zip(self.pieces, self.receives):
+                _wait(work, f"{self.what} (a piece received)")
+                if self.next is not None:
+                    self.sends.append(dist.isend(piece, self.next, group=self.group))
+            self.receives = []
+            for work in self.sends:
+                _wait(work, f"{self.what} (a piece sent on to rank {self.next})")
+        except BaseException:
+            _ABANDONED.append((self.group, self.pieces, self.receives, self.sends))
+            raise
+        finally:
+            self.pieces, self.receives, self.sends = [], [], []
 
 
 class BroadcastChannel:
@@ -66,12 +119,27 @@ class BroadcastChannel:
     group's backend takes tensors on (CUDA for nccl, else the CPU)."""
 
     def __init__(self, group, src: int):
+        if any(entry[0] is group for entry in _ABANDONED):
+            raise CollectiveError(
+                f"rank {dist.get_rank()}: a weight sync over this group was cut off while "
+                f"its buckets moved, and its sends and receives may still be pending on it: "
+                f"sync over a new group (dist.new_group) of the same ranks")
         self.group, self.src = group, src
         self.ranks = dist.get_process_group_ranks(group)
         backend = str(dist.get_backend(group))
         cuda = "nccl" in backend and ("gloo" not in backend or torch.cuda.is_available())
         self.device = (torch.device("cuda", torch.cuda.current_device()) if cuda
                        else torch.device("cpu"))
+        # src, then the receivers in the group's order; None: buckets go as
+        # the backend's own broadcast
+        self.chain = ([src] + [r for r in self.ranks if r != src]
+                      if self.device.type == "cpu" and "gloo" in backend else None)
+
+    @property
+    def chained(self) -> bool:
+        """Whether buckets go down the chain, where src hears from the first
+        receiver alone: a sync then ends with every rank's verdict."""
+        return self.chain is not None
 
     def buffer(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -109,8 +177,8 @@ class BroadcastChannel:
         """host's bytes from src, in host memory on every rank (through the
         group's device where that is not the CPU)."""
         moved = host if self.device.type == "cpu" else host.to(self.device)
-        _Sent(dist.broadcast(moved, src=self.src, group=self.group, async_op=True),
-              f"{what} from rank {self.src}").wait()
+        _wait(dist.broadcast(moved, src=self.src, group=self.group, async_op=True),
+              f"{what} from rank {self.src}")
         return moved.cpu()
 
     def verdict(self, message: str | None) -> str | None:
@@ -118,8 +186,8 @@ class BroadcastChannel:
         One all-reduce of a flag when no rank has one; the messages go only
         where some rank does."""
         flag = torch.tensor([0 if message is None else 1], dtype=torch.int32, device=self.device)
-        _Sent(dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True),
-              "the weight-sync verdict").wait()
+        _wait(dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True),
+              "the weight-sync verdict")
         if not int(flag.item()):
             return None
         # each rank's message as UTF-8 text in a frame (cut at MESSAGE_BYTES),
@@ -131,8 +199,8 @@ class BroadcastChannel:
             frame[1:1 + len(text)] = _as_tensor(text)
         frame = frame.to(self.device)
         everyone = [torch.empty_like(frame) for _ in self.ranks]
-        _Sent(dist.all_gather(everyone, frame, group=self.group, async_op=True),
-              "the weight-sync verdict's messages").wait()
+        _wait(dist.all_gather(everyone, frame, group=self.group, async_op=True),
+              "the weight-sync verdict's messages")
         for rank, theirs in zip(self.ranks, everyone):
             theirs = theirs.cpu().numpy().tobytes()
             if theirs[0]:
@@ -140,6 +208,9 @@ class BroadcastChannel:
         return None
 
     def bytes(self, flat: torch.Tensor, what: str) -> _Sent:
-        """Broadcasts flat (sent on src, received elsewhere), asynchronously."""
-        work = dist.broadcast(flat, src=self.src, group=self.group, async_op=True)
-        return _Sent(work, f"{what} of {flat.numel()} bytes from rank {self.src}")
+        """Broadcasts flat (sent on src, received elsewhere), asynchronously:
+        down the chain on gloo, else the backend's broadcast."""
+        what = f"{what} of {flat.numel()} bytes from rank {self.src}"
+        if self.chain is not None:
+            return _Chained(flat, self.chain, self.group, what)
+        return _Sent(dist.broadcast(flat, src=self.src, group=self.group, async_op=True), what)
