@@ -71,6 +71,10 @@ RANGE_GAP_BYTES = 4096
 # ... and is sent so only from an eighth of a bucket, or this size: below it,
 # one broadcast more costs more than the copies of packing it with others.
 RANGE_MIN_BYTES = 4 << 20
+# Down a chain (gloo), a piece of this many bytes or more moves as messages of
+# its own, straight into its tensor on every receiver; smaller ones go
+# together through a buffer, since each message has a fixed cost.
+CHAIN_DIRECT_BYTES = 1 << 20
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -105,6 +109,29 @@ def lands_whole(bucket, specs) -> bool:
         return False
     index, _, count, offset = bucket.pieces[0]
     return offset == 0 and count * specs[index][1].itemsize == bucket.nbytes
+
+
+def chain_cuts(bucket, specs) -> list[tuple[int, int, int | None]]:
+    """The byte ranges of a bucket sent down a chain, in order, as (first,
+    end, the piece's place in bucket.pieces) where a range is one piece of
+    CHAIN_DIRECT_BYTES or more, or the bucket's only one; (first, end,
+    None) for neighbouring smaller pieces and the gaps between them. The
+    sender and every receiver cut alike, from the plan."""
+    cuts, run = [], None
+    alone = len(bucket.pieces) == 1
+    for place, (index, _, count, offset) in sorted(enumerate(bucket.pieces),
+                                                   key=lambda entry: entry[1][3]):
+        end = offset + count * specs[index][1].itemsize
+        if alone or end - offset >= CHAIN_DIRECT_BYTES:
+            if run is not None:
+                cuts.append((*run, None))
+                run = None
+            cuts.append((offset, end, place))
+        else:
+            run = (offset, end) if run is None else (run[0], end)
+    if run is not None:
+        cuts.append((*run, None))
+    return cuts
 
 
 def _runs(specs, bucket_bytes: int, direct_bytes: int, homes) -> dict:
@@ -690,7 +717,9 @@ def _send_buckets(sender: _Sender, channel: BroadcastChannel, checksum: bool,
             flat = staged
             copied[0] += bucket.nbytes
         add_to_checksum(flat, bucket.pieces)
-        work = channel.bytes(flat, what)
+        views = ([flat[lo:hi] for lo, hi, _ in chain_cuts(bucket, sender.specs)]
+                 if channel.chained else None)
+        work = channel.bytes(flat, what, views=views)
         if k in buffers.slot:
             buffers.sent(k, work)
         else:
@@ -835,47 +864,70 @@ def receive_weights(model, group, *, src: int = 0) -> dict:
 
 
 def _receive_buckets(buckets, specs, targets, channel: BroadcastChannel) -> None:
-    """Each bucket into one of two buffers, or one that is a chunk of one
-    tensor straight into it; one is unpacked while the next arrives."""
+    """Each bucket into one of two buffers, unpacked while the next arrives,
+    but for what lands straight in its tensor: a bucket that is one chunk of
+    one tensor, and down a chain every piece of CHAIN_DIRECT_BYTES or more
+    (chain_cuts)."""
     if not buckets:
         return
 
-    def into(k) -> torch.Tensor | None:
-        """The tensor memory a bucket lands in whole, where the group's
+    def memory_of(piece) -> torch.Tensor | None:
+        """The tensor memory a piece lands in straight, where the group's
         device holds it."""
-        bucket = buckets[k]
-        if not lands_whole(bucket, specs):
-            return None
-        index, start, count, _ = bucket.pieces[0]
+        index, start, count, _ = piece
         target = targets[index]
         if target.device != channel.device:
             return None
         return target.detach().view(-1)[start:start + count].view(torch.uint8)
 
-    buffers = _Buffers(channel, max((b.nbytes for k, b in enumerate(buckets)
-                                     if into(k) is None), default=0))
-    # A broadcast into a tensor's memory is a write autograd does not see: a
+    def ways(bucket) -> tuple[list, list]:
+        """The bucket's ranges (first, end, piece's place or None) and the
+        memory each lands in straight (None: through the buffer)."""
+        if channel.chained:
+            cuts = chain_cuts(bucket, specs)
+        else:
+            cuts = [(0, bucket.nbytes, 0 if lands_whole(bucket, specs) else None)]
+        return cuts, [None if place is None else memory_of(bucket.pieces[place])
+                      for _, _, place in cuts]
+
+    plans = [ways(bucket) for bucket in buckets]
+    buffers = _Buffers(channel, max((b.nbytes for b, (_, straight) in zip(buckets, plans)
+                                     if None in straight), default=0))
+    # A receive into a tensor's memory is a write autograd does not see: a
     # graph that saved the tensor must fail at backward, as after
     # load_state_dict (the copies out of a buffer count themselves).
-    landed = [targets[b.pieces[0][0]] for k, b in enumerate(buckets) if into(k) is not None]
+    landed = {id(targets[bucket.pieces[place][0]]): targets[bucket.pieces[place][0]]
+              for bucket, (cuts, straight) in zip(buckets, plans)
+              for (_, _, place), memory in zip(cuts, straight) if memory is not None}
 
     def post(k):
-        flat = into(k)
-        flat = flat if flat is not None else buffers.take(k, buckets[k].nbytes)
-        return channel.bytes(flat, f"weight-sync bucket {k}")
+        cuts, straight = plans[k]
+        buffer = buffers.take(k, buckets[k].nbytes) if None in straight else None
+        views = [memory if memory is not None else buffer[lo:hi]
+                 for (lo, hi, _), memory in zip(cuts, straight)]
+        what = f"weight-sync bucket {k}"
+        if channel.chained:
+            return channel.bytes(buffer, what, views=views)
+        return channel.bytes(views[0], what)
+
+    def unpack(k):
+        bucket, (cuts, straight) = buckets[k], plans[k]
+        buffer = buffers.take(k, bucket.nbytes)
+        went = {place for (_, _, place), memory in zip(cuts, straight) if memory is not None}
+        for place, (index, start, count, offset) in enumerate(bucket.pieces):
+            if place not in went:
+                dtype = specs[index][1]
+                source = buffer[offset:offset + count * dtype.itemsize].view(dtype)
+                targets[index].detach().view(-1)[start:start + count].copy_(source)
 
     try:
         work = post(0)
         with torch.no_grad():
-            for k, bucket in enumerate(buckets):
+            for k in range(len(buckets)):
                 upcoming = post(k + 1) if k + 1 < len(buckets) else None
                 work.wait()
                 if k in buffers.slot:
-                    buffer = buffers.take(k, bucket.nbytes)
-                    for index, start, count, offset in bucket.pieces:
-                        dtype = specs[index][1]
-                        source = buffer[offset:offset + count * dtype.itemsize].view(dtype)
-                        targets[index].detach().view(-1)[start:start + count].copy_(source)
+                    unpack(k)
                 work = upcoming
     finally:
-        torch.autograd.graph.increment_version(list({id(t): t for t in landed}.values()))
+        torch.autograd.graph.increment_version(list(landed.values()))

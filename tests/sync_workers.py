@@ -472,9 +472,9 @@ def _record_sends(events: list) -> None:
     posted, waited = channel.BroadcastChannel.bytes, channel._Sent.wait
     verdict, prefetch = channel.BroadcastChannel.verdict, Stage3.prefetch
 
-    def bytes_(self, flat, what):
+    def bytes_(self, flat, what, **kwargs):
         events.append(("post", int(what.split()[-1])))
-        sent = posted(self, flat, what)
+        sent = posted(self, flat, what, **kwargs)
         sent.bucket = events[-1][1]
         return sent
 
@@ -641,11 +641,11 @@ def sync_cut_off_midway(rank, world_size):
         from rlhfz.comm import channel
         send, sent = channel.BroadcastChannel.bytes, []
 
-        def bytes_(self, flat, what):
+        def bytes_(self, flat, what, **kwargs):
             if len(sent) == 3:
                 raise RuntimeError("the sender stops here")
             sent.append(what)
-            return send(self, flat, what)
+            return send(self, flat, what, **kwargs)
         channel.BroadcastChannel.bytes = bytes_
         try:
             rlhfz.sync_weights(tiny_lm("gpt2"), sync, src=0, bucket_bytes=4096)
@@ -749,19 +749,29 @@ def _record_sent(sent: list) -> None:
 def sync_down_the_chain(rank, world_size):
     """Rank 0 sends a whole model to ranks 1 and 2 over gloo, in buckets of
     several pieces: what each rank sent, and what the receivers got."""
+    from rlhfz import weight_sync
     from rlhfz.comm import channel
-    channel.CHAIN_PIECE_BYTES = 40 << 10          # several pieces a bucket, an odd last one
+    channel.CHAIN_PIECE_BYTES = 12 << 10          # tensors in several pieces, an odd last one
+    weight_sync.CHAIN_DIRECT_BYTES = 8 << 10      # some straight into their tensors
     sync = dist.new_group([0, 1, 2])
     model = tiny_lm("gpt2", seed=rank)
-    sent = []
+    sent, cuts = [], []
     _record_sent(sent)
+    cut = weight_sync.chain_cuts
+
+    def chain_cuts(bucket, specs):
+        cuts.extend(cut(bucket, specs))
+        return cuts[len(cuts) - len(cut(bucket, specs)):]
+    weight_sync.chain_cuts = chain_cuts
     if rank == 0:
         report = rlhfz.sync_weights(model, sync, src=0, bucket_bytes=1 << 18, checksum=True)
         report.update(rlhfz.sync_weights(model, sync, src=0, bucket_bytes=1 << 18))
     else:
         report = rlhfz.receive_weights(model, sync, src=0)
         report.update(rlhfz.receive_weights(model, sync, src=0))
-    return {"sent": sent, "report": report, "whole": _params(model)}
+    return {"sent": sent, "report": report, "whole": _params(model),
+            "straight": sum(place is not None for _, _, place in cuts),
+            "through_a_buffer": sum(place is None for _, _, place in cuts)}
 
 
 def sync_last_receiver_stops(rank, world_size, where):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import threading
 
 import torch
 import torch.distributed as dist
@@ -83,27 +84,52 @@ class _Sent:
 class _Chained(_Sent):
     """A bucket on its way down the chain. On src its pieces' sends to the
     first receiver; on a receiver the receives of its pieces from the rank
-    before it, each sent on to the rank after it (if any) as it arrives.
-    wait() returns once this rank holds every piece and the next rank has
-    them all, so the bucket's memory is free to be read or reused."""
+    before it. A receiver with a rank after it sends each piece on as it
+    arrives, from a thread of its own: the caller unpacks the bucket before
+    while this one moves on (as gloo's threads receive the next meanwhile),
+    and the thread waits for the bucket before's, so the pieces go on in
+    order. wait() returns once this rank holds every piece and the next rank
+    has them all, so the bucket's memory is free to be read or reused."""
 
-    def __init__(self, flat: torch.Tensor, chain: list[int], group, what: str):
+    def __init__(self, views: list, chain: list[int], group, what: str,
+                 before: _Chained | None):
         super().__init__(None, what)
         me = chain.index(dist.get_rank())
-        self.pieces = list(flat.split(CHAIN_PIECE_BYTES)) if flat.numel() else []
+        self.pieces = [p for v in views if v.numel() for p in v.split(CHAIN_PIECE_BYTES)]
         self.next = chain[me + 1] if me + 1 < len(chain) else None
         self.group, self.sends, self.receives = group, [], []
+        self.thread, self.error = None, None
         if me == 0:
             self.sends = [dist.isend(p, self.next, group=group) for p in self.pieces]
-        else:
-            self.receives = [dist.irecv(p, chain[me - 1], group=group) for p in self.pieces]
+            return
+        self.receives = [dist.irecv(p, chain[me - 1], group=group) for p in self.pieces]
+        if self.next is not None:
+            self.thread = threading.Thread(target=self._pass_on, args=(before,), daemon=True,
+                                           name="rlhfz-weight-sync-chain")
+            self.thread.start()
+
+    def _pass_on(self, before: _Chained | None) -> None:
+        try:
+            if before is not None and before.thread is not None:
+                before.thread.join()
+                if before.error is not None:
+                    raise CollectiveError(f"{self.what} was not sent on: the bucket before "
+                                          f"it failed ({before.error})")
+            for piece, work in zip(self.pieces, self.receives):
+                _wait(work, f"{self.what} (a piece received)")
+                self.sends.append(dist.isend(piece, self.next, group=self.group))
+        except BaseException as error:      # noqa: BLE001 - raised again by wait()
+            self.error = error
 
     def _finish(self) -> None:
         try:
-            for piece, work in zip(self.pieces, self.receives):
-                _wait(work, f"{self.what} (a piece received)")
-                if self.next is not None:
-                    self.sends.append(dist.isend(piece, self.next, group=self.group))
+            if self.thread is not None:
+                self.thread.join()
+                if self.error is not None:
+                    raise self.error
+            else:
+                for work in self.receives:
+                    _wait(work, f"{self.what} (a piece received)")
             self.receives = []
             for work in self.sends:
                 _wait(work, f"{self.what} (a piece sent on to rank {self.next})")
@@ -134,6 +160,7 @@ class BroadcastChannel:
         # the backend's own broadcast
         self.chain = ([src] + [r for r in self.ranks if r != src]
                       if self.device.type == "cpu" and "gloo" in backend else None)
+        self._chained = None                     # the last bucket sent down it
 
     @property
     def chained(self) -> bool:
@@ -207,10 +234,15 @@ class BroadcastChannel:
                 return f"rank {rank}: " + theirs[1:].rstrip(b"\0").decode(errors="replace")
         return None
 
-    def bytes(self, flat: torch.Tensor, what: str) -> _Sent:
+    def bytes(self, flat: torch.Tensor | None, what: str, views: list | None = None) -> _Sent:
         """Broadcasts flat (sent on src, received elsewhere), asynchronously:
-        down the chain on gloo, else the backend's broadcast."""
-        what = f"{what} of {flat.numel()} bytes from rank {self.src}"
+        down the chain on gloo, else the backend's broadcast. Down a chain,
+        views (byte tensors, cut alike on every rank) go in flat's place:
+        ranges of it on src, wherever each lands on a receiver."""
         if self.chain is not None:
-            return _Chained(flat, self.chain, self.group, what)
+            views = [flat] if views is None else views
+            what = f"{what} of {sum(v.numel() for v in views)} bytes from rank {self.src}"
+            self._chained = _Chained(views, self.chain, self.group, what, self._chained)
+            return self._chained
+        what = f"{what} of {flat.numel()} bytes from rank {self.src}"
         return _Sent(dist.broadcast(flat, src=self.src, group=self.group, async_op=True), what)
