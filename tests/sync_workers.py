@@ -775,26 +775,29 @@ def sync_down_the_chain(rank, world_size):
 
 
 def sync_last_receiver_stops(rank, world_size, where):
-    """The last receiver down the chain stops (where="midway": after its
-    second bucket; "at_the_end": with every bucket in, before it says so)
-    and stays alive: the sender and the other receiver must raise, not
-    return as if every receiver held the weights."""
+    """The last receiver down the chain stops (where="midway": at its third
+    bucket; "at_the_end": once every bucket came in) and stays alive: the
+    sender and the other receiver must raise, not return as if every
+    receiver held the weights."""
     os.environ["RLHFZ_COLLECTIVE_TIMEOUT"] = "5"
-    from rlhfz.comm import channel
     sync = dist.new_group([0, 1, 2])
     model = tiny_lm("gpt2", seed=rank)
-    if rank == 2:
-        owner, name = ((channel._Chained, "_finish") if where == "midway" else
-                       (channel.BroadcastChannel, "verdict"))
-        inner, calls = getattr(owner, name), []
 
-        def stop(self, *args):
-            # midway: the third bucket; at the end: the verdict after the buckets
-            if len(calls) == (2 if where == "midway" else 1):
-                raise RuntimeError("the last receiver stops here")
+    def stop(*args):
+        raise RuntimeError("the last receiver stops here")
+    if rank == 2 and where == "midway":
+        from rlhfz.comm import channel
+        inner, calls = channel._Chained._finish, []
+
+        def third(self):
+            if len(calls) == 2:
+                stop()
             calls.append(self)
-            return inner(self, *args)
-        setattr(owner, name, stop)
+            inner(self)
+        channel._Chained._finish = third
+    elif rank == 2:
+        # the last step of a receive, after the last bucket's unpacking
+        torch.autograd.graph.increment_version = stop
     started, error = time.perf_counter(), None
     try:
         if rank == 0:
