@@ -891,8 +891,11 @@ def _receive_buckets(buckets, specs, targets, channel: BroadcastChannel) -> None
                       for _, _, place in cuts]
 
     plans = [ways(bucket) for bucket in buckets]
-    buffers = _Buffers(channel, max((b.nbytes for b, (_, straight) in zip(buckets, plans)
-                                     if None in straight), default=0))
+
+    def through_a_buffer(k) -> bool:
+        return any(memory is None for memory in plans[k][1])
+    buffers = _Buffers(channel, max((b.nbytes for k, b in enumerate(buckets)
+                                     if through_a_buffer(k)), default=0))
     # A receive into a tensor's memory is a write autograd does not see: a
     # graph that saved the tensor must fail at backward, as after
     # load_state_dict (the copies out of a buffer count themselves).
@@ -902,7 +905,7 @@ def _receive_buckets(buckets, specs, targets, channel: BroadcastChannel) -> None
 
     def post(k):
         cuts, straight = plans[k]
-        buffer = buffers.take(k, buckets[k].nbytes) if None in straight else None
+        buffer = buffers.take(k, buckets[k].nbytes) if through_a_buffer(k) else None
         views = [memory if memory is not None else buffer[lo:hi]
                  for (lo, hi, _), memory in zip(cuts, straight)]
         what = f"weight-sync bucket {k}"
