@@ -17,9 +17,9 @@ Stage3.gathers_onto).
    and every rank of the group, then every trainer, learns whether all
    agree, so that a mismatch is an error everywhere, never a hang.
 2. Then flat byte buckets, one broadcast each (plan_buckets; on gloo a
-   broadcast down a chain in pieces, BroadcastChannel.bytes, after which
-   every receiver says it holds them all), sent with as few copies as the
-   tensors allow:
+   broadcast in pieces down chains that take turns, BroadcastChannel.bytes,
+   after which every receiver says it holds them all), sent with as few
+   copies as the tensors allow:
    - tensors that lie back to back in one memory (a gathered stage-3 unit,
      a ZeroAdamW bucket) go as ranges of it, as they lie, gaps included;
    - a tensor of half a bucket or more goes alone, in chunks of a bucket,

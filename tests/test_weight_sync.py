@@ -421,12 +421,13 @@ def test_a_compiled_model_syncs_under_its_own_names():
             assert torch.equal(got[name], value), name
 
 
-def test_on_gloo_every_byte_leaves_each_rank_once_down_a_chain():
-    """gloo's broadcast sends every byte from src to each receiver; down
-    the chain src sends it to the first receiver alone, which passes it on
-    to the next. Buckets go in pieces, large tensors' straight into them
-    and the rest through a buffer; only the manifest, the checksum and the
-    verdicts are broadcasts (each one frame)."""
+def test_on_gloo_every_byte_leaves_src_once_and_each_receiver_passes_on_a_share():
+    """gloo's broadcast sends every byte from src to each receiver. Down
+    chains that take turns, src sends each piece once, to the receiver that
+    leads it, which passes it on to the other: each receiver sends on the
+    pieces it led, piece for piece. Buckets go in pieces, large tensors'
+    straight into them and the rest through a buffer; only the manifest,
+    the checksum and the verdicts are broadcasts (each one frame)."""
     from rlhfz.comm.channel import FRAME_BYTES
     src, first, last = run_ranks(workers.sync_down_the_chain, 3)
     for receiver in (first, last):
@@ -434,14 +435,16 @@ def test_on_gloo_every_byte_leaves_each_rank_once_down_a_chain():
         for name, value in src["whole"].items():
             assert torch.equal(receiver["whole"][name], value), name
 
-    def isends(rank):
-        return [(peer, n) for kind, peer, n in rank["sent"] if kind == "isend"]
-    assert {peer for peer, _ in isends(src)} == {1}
-    assert {peer for peer, _ in isends(first)} == {2} and not isends(last)
-    assert [n for _, n in isends(first)] == [n for _, n in isends(src)]   # piece for piece
-    sent = sum(n for _, n in isends(src))
+    def isends(rank, to=None):
+        return [n for kind, peer, n in rank["sent"] if kind == "isend" and to in (None, peer)]
+    assert isends(src) == [n for kind, _, n in src["sent"] if kind == "isend"]
+    assert isends(first, to=1) == [] and isends(last, to=2) == [] and not isends(first, to=0)
+    assert isends(first) == isends(src, to=1) and isends(last) == isends(src, to=2)
+    assert isends(src, to=1) and isends(src, to=2)
+    sent = sum(isends(src))
     assert 2 * src["report"]["bytes"] <= sent < 2 * src["report"]["bytes"] * 1.01
-    assert max(n for _, n in isends(src)) == 12 << 10
+    assert abs(sum(isends(first)) - sum(isends(last))) <= 12 << 10     # a piece apart at most
+    assert max(isends(src)) == 12 << 10
     assert len(isends(src)) > 2 * src["report"]["buckets"]
     for rank in (src, first, last):
         assert all(n <= FRAME_BYTES for kind, _, n in rank["sent"] if kind == "broadcast")

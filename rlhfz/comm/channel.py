@@ -4,11 +4,11 @@ Weight sync runs over a process group of the sending trainer and the
 generation processes (OpenRLHF's model-update group), which rlhfz did not
 make and does not own. The channel keeps the sync's collectives in one
 place: small objects from the sender, every rank's verdict, and flat byte
-buckets, asynchronously. On gloo a bucket goes down a chain in pieces
-(src, then each receiver in turn, each passing a piece on as the next
-arrives), a broadcast pipelined as NCCL's rings pipeline theirs: gloo's own
-broadcast is a binomial tree of whole buffers, from which src sends every
-byte to each of its children. Every wait is cut off at rlhfz's timeout: the
+buckets, asynchronously. On gloo a bucket goes in pieces down chains that
+take turns (src, then each receiver, each passing a piece on as the next
+arrives; each piece led by the next receiver), a broadcast pipelined as
+NCCL's rings pipeline theirs: gloo's own broadcast is a binomial tree of
+whole buffers, from which src sends every byte to each of its children. Every wait is cut off at rlhfz's timeout: the
 group is the caller's, under its own (often 30-minute) timeout, and a side
 that failed before it took part must not leave the other waiting that long.
 """
@@ -82,28 +82,42 @@ class _Sent:
 
 
 class _Chained(_Sent):
-    """A bucket on its way down the chain. On src its pieces' sends to the
-    first receiver; on a receiver the receives of its pieces from the rank
-    before it. A receiver with a rank after it sends each piece on as it
-    arrives, from a thread of its own: the caller unpacks the bucket before
-    while this one moves on (as gloo's threads receive the next meanwhile),
-    and the thread waits for the bucket before's, so the pieces go on in
-    order. wait() returns once this rank holds every piece and the next rank
-    has them all, so the bucket's memory is free to be read or reused."""
+    """A bucket on its way down chains of the group's ranks, in pieces. Each
+    piece goes from src first to the receiver that has led the fewest bytes
+    of the sync so far (led: their counts, kept alike on every rank), then
+    on through the other receivers in the group's order, wrapping around.
+    So src sends each byte once, and each of R receivers, first for about
+    1/R of the bytes, sends on about (R - 1)/R of them: a broadcast as a
+    scatter and an all-gather, pipelined. A receiver sends its pieces on as they arrive,
+    from a thread of its own: the caller unpacks the bucket before while
+    this one moves on (as gloo's threads receive the next meanwhile), and
+    the thread waits for the bucket before's, so that between any two ranks
+    the pieces go in order. wait() returns once this rank holds every piece
+    and the ranks after it have theirs, so the bucket's memory is free to be
+    read or reused."""
 
-    def __init__(self, views: list, chain: list[int], group, what: str,
+    def __init__(self, views: list, chain: list[int], group, what: str, led: list[int],
                  before: _Chained | None):
         super().__init__(None, what)
-        me = chain.index(dist.get_rank())
+        me, src, receivers = dist.get_rank(), chain[0], chain[1:]
         self.pieces = [p for v in views if v.numel() for p in v.split(CHAIN_PIECE_BYTES)]
-        self.next = chain[me + 1] if me + 1 < len(chain) else None
+        self.routes = []            # each piece's (rank before this one, rank after)
+        for piece in self.pieces:
+            lead = led.index(min(led))
+            led[lead] += piece.numel()
+            order = [src] + receivers[lead:] + receivers[:lead]
+            at = order.index(me)
+            self.routes.append((order[at - 1] if at else None,
+                                order[at + 1] if at + 1 < len(order) else None))
         self.group, self.sends, self.receives = group, [], []
         self.thread, self.error = None, None
-        if me == 0:
-            self.sends = [dist.isend(p, self.next, group=group) for p in self.pieces]
+        if me == src:
+            self.sends = [dist.isend(p, to, group=group)
+                          for p, (_, to) in zip(self.pieces, self.routes)]
             return
-        self.receives = [dist.irecv(p, chain[me - 1], group=group) for p in self.pieces]
-        if self.next is not None:
+        self.receives = [dist.irecv(p, came, group=group)
+                         for p, (came, _) in zip(self.pieces, self.routes)]
+        if any(to is not None for _, to in self.routes):
             self.thread = threading.Thread(target=self._pass_on, args=(before,), daemon=True,
                                            name="rlhfz-weight-sync-chain")
             self.thread.start()
@@ -115,9 +129,10 @@ class _Chained(_Sent):
                 if before.error is not None:
                     raise CollectiveError(f"{self.what} was not sent on: the bucket before "
                                           f"it failed ({before.error})")
-            for piece, work in zip(self.pieces, self.receives):
-                _wait(work, f"{self.what} (a piece received)")
-                self.sends.append(dist.isend(piece, self.next, group=self.group))
+            for piece, work, (_, to) in zip(self.pieces, self.receives, self.routes):
+                if to is not None:
+                    _wait(work, f"{self.what} (a piece received)")
+                    self.sends.append(dist.isend(piece, to, group=self.group))
         except BaseException as error:      # noqa: BLE001 - raised again by wait()
             self.error = error
 
@@ -127,12 +142,12 @@ class _Chained(_Sent):
                 self.thread.join()
                 if self.error is not None:
                     raise self.error
-            else:
-                for work in self.receives:
+            for work, (_, to) in zip(self.receives, self.routes):
+                if to is None:          # the thread waited for those it sent on
                     _wait(work, f"{self.what} (a piece received)")
             self.receives = []
             for work in self.sends:
-                _wait(work, f"{self.what} (a piece sent on to rank {self.next})")
+                _wait(work, f"{self.what} (a piece sent on)")
         except BaseException:
             _ABANDONED.append((self.group, self.pieces, self.receives, self.sends))
             raise
@@ -159,13 +174,15 @@ class BroadcastChannel:
         # src, then the receivers in the group's order; None: buckets go as
         # the backend's own broadcast
         self.chain = ([src] + [r for r in self.ranks if r != src]
-                      if self.device.type == "cpu" and "gloo" in backend else None)
+                      if self.device.type == "cpu" and "gloo" in backend
+                      and len(self.ranks) > 1 else None)
         self._chained = None                     # the last bucket sent down it
+        self._led = [0] * (len(self.ranks) - 1)  # bytes each receiver led so far
 
     @property
     def chained(self) -> bool:
-        """Whether buckets go down the chain, where src hears from the first
-        receiver alone: a sync then ends with every rank's verdict."""
+        """Whether buckets go down chains, where src hears from each piece's
+        first receiver alone: a sync then ends with every rank's verdict."""
         return self.chain is not None
 
     def buffer(self, nbytes: int) -> torch.Tensor:
@@ -242,7 +259,8 @@ class BroadcastChannel:
         if self.chain is not None:
             views = [flat] if views is None else views
             what = f"{what} of {sum(v.numel() for v in views)} bytes from rank {self.src}"
-            self._chained = _Chained(views, self.chain, self.group, what, self._chained)
+            self._chained = _Chained(views, self.chain, self.group, what, self._led,
+                                     self._chained)
             return self._chained
         what = f"{what} of {flat.numel()} bytes from rank {self.src}"
         return _Sent(dist.broadcast(flat, src=self.src, group=self.group, async_op=True), what)
