@@ -568,12 +568,13 @@ def sync_weights(model, group, *, src: int = 0, bucket_bytes: int = 256 << 20, d
     if channel is not None and not failure and (checksum or channel.chained):
         if checksum:
             channel.object(crc[0])
-        # src has heard only from the first receiver down a chain: every
-        # receiver says here that it holds every bucket (and its checksum)
+        # down chains src has heard only from each piece's first receiver:
+        # every receiver says here that it holds every bucket (a message
+        # only for a checksum that did not match; a receiver that failed
+        # stays away, and the verdict times out)
         verdict = channel.verdict(None)
         if verdict is not None:
-            failure.append(f"a receiver's checksum did not match: {verdict}" if checksum else
-                           f"a receiver failed: {verdict}")
+            failure.append(f"a receiver's checksum did not match: {verdict}")
     # every trainer learns what src learned
     _agree_failure(comm, failure[0] if failure else None)
     return dict(report, seconds=time.perf_counter() - started)

@@ -8,9 +8,10 @@ buckets, asynchronously. On gloo a bucket goes in pieces down chains that
 take turns (src, then each receiver, each passing a piece on as the next
 arrives; each piece led by the next receiver), a broadcast pipelined as
 NCCL's rings pipeline theirs: gloo's own broadcast is a binomial tree of
-whole buffers, from which src sends every byte to each of its children. Every wait is cut off at rlhfz's timeout: the
-group is the caller's, under its own (often 30-minute) timeout, and a side
-that failed before it took part must not leave the other waiting that long.
+whole buffers, from which src sends every byte to each of its children.
+Every wait is cut off at rlhfz's timeout: the group is the caller's, under
+its own (often 30-minute) timeout, and a side that failed before it took
+part must not leave the other waiting that long.
 """
 from __future__ import annotations
 
@@ -88,13 +89,13 @@ class _Chained(_Sent):
     on through the other receivers in the group's order, wrapping around.
     So src sends each byte once, and each of R receivers, first for about
     1/R of the bytes, sends on about (R - 1)/R of them: a broadcast as a
-    scatter and an all-gather, pipelined. A receiver sends its pieces on as they arrive,
-    from a thread of its own: the caller unpacks the bucket before while
-    this one moves on (as gloo's threads receive the next meanwhile), and
-    the thread waits for the bucket before's, so that between any two ranks
-    the pieces go in order. wait() returns once this rank holds every piece
-    and the ranks after it have theirs, so the bucket's memory is free to be
-    read or reused."""
+    scatter and an all-gather, pipelined. A receiver sends its pieces on as
+    they arrive, from a thread of its own: the caller unpacks the bucket
+    before while this one moves on (as gloo's threads receive the next
+    meanwhile), and the thread waits for the bucket before's, so that
+    between any two ranks the pieces go in order. wait() returns once this
+    rank holds every piece and the ranks after it have theirs, so the
+    bucket's memory is free to be read or reused."""
 
     def __init__(self, views: list, chain: list[int], group, what: str, led: list[int],
                  before: _Chained | None):

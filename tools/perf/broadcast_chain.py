@@ -15,8 +15,8 @@ bounds each way where every rank has a core of its own: the busiest rank.
         [--pieces-mib 1,4,16] [--rounds 8]
 """
 import argparse
-import resource
 import os
+import resource
 import statistics
 import time
 
