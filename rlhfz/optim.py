@@ -22,6 +22,8 @@ from .engine import INT8_SQ_LIMIT, ShardEngine, backend_for, host_buffer
 from .engine.layout import env_bucket_bytes
 from .module_zero_grad import unwatch as unwatch_zero_grad
 from .module_zero_grad import watch as watch_zero_grad
+from .torch_clip_grad import unwatch as unwatch_torch_clip
+from .torch_clip_grad import watch as watch_torch_clip
 from .optim_edits import StateEntries, check_group_params
 from .optim_options import (check_engine_options, check_group, check_hparams, check_params,
                             check_state_dtype, check_unsupported, common_device,
@@ -220,6 +222,7 @@ class ZeroAdamW(Optimizer):
                 self.engine.use_reducer(GradReducer(self.engine.buckets, self.comm, self.backend,
                                                     self.bucket_bytes))
                 watch_zero_grad(self.engine)
+                watch_torch_clip(self)
                 self._explain_several_reducers()
             # Stage 3 across ranks: params sharded too, gathered per unit
             # (stage3.py); the model's frozen params are sharded beside them
@@ -523,6 +526,32 @@ class ZeroAdamW(Optimizer):
                          sumsq=total * total if norm_type == 2.0 else None)
         return torch.tensor(total, dtype=dtype, device=self.device)
 
+    @torch.no_grad()
+    def clip_grad_value_(self, clip_value: float, foreach=None, params=None) -> None:
+        """Clamps grads to [-clip_value, clip_value], as
+        torch.nn.utils.clip_grad_value_ does, where rlhfz keeps them: all of
+        this optimizer's, or those of `params` (some of its params). At
+        stages 2 and 3 across ranks a collective (the grads are reduced
+        first); foreach is accepted and changes nothing."""
+        clip_value = float(clip_value)
+        if params is not None:
+            params = [params] if isinstance(params, torch.Tensor) else list(params)
+            owned = {id(p) for group in self.param_groups for p in group["params"]}
+            if any(id(p) not in owned for p in params):
+                raise ValueError("clip_grad_value_(params=...) takes this optimizer's params "
+                                 "only; clip others with torch.nn.utils.clip_grad_value_")
+        if self.reducer is None:
+            # p.grad holds every grad (at stage 1 the mean): torch's own clamps it
+            chosen = params if params is not None else \
+                [p for group in self.param_groups for p in group["params"]]
+            torch.nn.utils.clip_grad.clip_grad_value_(chosen, clip_value, foreach)
+            return
+        self.synchronize()
+        self._follow_moved_params()
+        plans = self.engine.plan("clip_grad_value_")
+        self.engine.clamp_grads(plans, clip_value,
+                                None if params is None else {id(p) for p in params})
+
     # torch.amp.GradScaler hands itself to step() (grad_scaler=), because
     # only the optimizer knows where sharded grads are: it unscales them
     # after they are reduced and decides on Inf/NaN for every rank at once.
@@ -804,6 +833,7 @@ class ZeroAdamW(Optimizer):
         keep their shards for the model's life, so another optimizer over
         them (rlhfz's or torch's) is refused with an error that says so."""
         self._closed = True
+        unwatch_torch_clip(self)
         _let_go(self._engines)
         from .engine import release_pinned
         try:

@@ -865,3 +865,76 @@ def local_rank_and_device(rank, world_size):
     from rlhfz.engine.backends import simulated_device
     os.environ["RLHFZ_SIM_DEVICE"] = "local_rank"
     return os.environ.get("LOCAL_RANK"), simulated_device()
+
+
+def torch_clips_reach_shard_grads(rank, world_size, stage):
+    """torch.nn.utils.clip_grad_norm_ and clip_grad_value_ called as a plain
+    script calls them, at stages 2 and 3 where p.grad is None after
+    backward: the norms torch returns for whole grads, and the params of
+    torch AdamW after torch's clips, for norms of order 2 and inf (and the
+    deprecated clip_grad_norm), values over every param and over one
+    layer's. Then a norm over one layer's params alone, or over the params
+    beside another model's grads, is refused and scales nothing, as is
+    torch's own clip_grad_norm_ (bound before rlhfz wrapped it) or
+    clip_grads_with_norm_ over the params."""
+    import warnings
+    model, plain = make_model(), make_model()
+    opt = rlhfz.ZeroAdamW(model if stage == 3 else model.parameters(), lr=1e-3, stage=stage)
+    ref = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    shard = slice(rank, None, world_size)
+    clips = [lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05),
+             lambda m: torch.nn.utils.clip_grad_norm_(list(m.parameters()), 0.01,
+                                                      norm_type=float("inf")),
+             lambda m: torch.nn.utils.clip_grad_value_(m.parameters(), 0.002),
+             lambda m: torch.nn.utils.clip_grad_value_(m[2].parameters(), 0.001),
+             lambda m: torch.nn.utils.clip_grad_norm(m.parameters(), 0.03)]
+    norms, binds = [], []
+    for step, (x, y) in enumerate(batches(2 * len(clips))):
+        clip = clips[step % len(clips)]
+        opt.zero_grad()
+        ref.zero_grad()
+        torch.nn.functional.mse_loss(model(x[shard]), y[shard]).backward()
+        torch.nn.functional.mse_loss(plain(x), y).backward()
+        # the clip binds on the whole grads: a clip that reached nothing would show
+        binds.append(max(float(p.grad.abs().max()) for p in plain.parameters()))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)    # clip_grad_norm is deprecated
+            ours, theirs = clip(model), clip(plain)
+        norms.append((None if ours is None else float(ours),
+                      None if theirs is None else float(theirs)))
+        opt.step()
+        ref.step()
+    x, y = batches(1, seed=7)[0]
+    torch.nn.functional.mse_loss(model(x[shard]), y[shard]).backward()
+    before = float(opt.clip_grad_norm_(float("inf")))
+    try:
+        torch.nn.utils.clip_grad_norm_(model[0].parameters(), 1e-4)
+        refused = None
+    except ValueError as error:
+        refused = str(error)
+    try:
+        torch.nn.utils.clip_grad_norm_([*model.parameters(), *plain.parameters()], 1e-4)
+        refused_beside = None
+    except ValueError as error:
+        refused_beside = str(error)
+    early = []
+    for clip in (lambda: torch.nn.utils.clip_grad_norm_.__wrapped__(model.parameters(), 1e-4),
+                 lambda: torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1e-4,
+                                                              torch.tensor(5.0))):
+        try:
+            clip()
+            early.append(None)
+        except ValueError as error:
+            early.append(str(error))
+    after = float(opt.clip_grad_norm_(float("inf")))
+    import inspect
+    wrappers = [getattr(torch.nn.utils, name) for name in ("clip_grad_norm_", "clip_grad_value_")]
+    # rlhfz's, under torch's names and signatures, in both places torch exports them from
+    looks = [(f.__name__, list(inspect.signature(f).parameters), hasattr(f, "__wrapped__"),
+              f is getattr(torch.nn.utils.clip_grad, f.__name__)) for f in wrappers]
+    ours = dict(rlhfz.iter_full_params(model)) if stage == 3 else dict(model.named_parameters())
+    diff = max(float((ours[name].detach() - p.detach()).abs().max())
+               for name, p in plain.named_parameters())
+    opt.close()
+    return {"norms": norms, "binds": binds, "diff": diff, "refused": refused,
+            "refused_beside": refused_beside, "looks": looks, "early": early, "before": before, "after": after}

@@ -503,3 +503,29 @@ def test_two_stage1_optimizers_average_whatever_order_grads_arrive_in(monkeypatc
 def test_a_backward_while_grads_are_offloaded_says_to_reload():
     for refused in run_ranks(workers.backward_while_grads_offloaded, 2, 2):
         assert refused is not None and "call reload()" in refused
+
+
+@pytest.mark.parametrize("world_size, stage", [(2, 2), (3, 2), (2, 3), (3, 3)])
+def test_torch_clips_reach_the_grads_in_the_shards(world_size, stage):
+    """A script's torch.nn.utils.clip_grad_norm_(model.parameters(), ...)
+    found no grads at stages 2 and 3 (p.grad is None): it returned 0 and the
+    step took unclipped grads."""
+    for result in run_ranks(workers.torch_clips_reach_shard_grads, world_size, stage):
+        for step, (ours, theirs) in enumerate(result["norms"]):
+            if theirs is None:                      # clip_grad_value_ returns None
+                assert ours is None
+                assert result["binds"][step] > 0.002, "the clip must bind to show anything"
+            else:
+                assert ours == pytest.approx(theirs, rel=1e-5), step
+                assert theirs > 0.05
+        # Adam turns fp32 rounding in grads near eps into ~1e-6 (lr 1e-3);
+        # grads that were not clipped differ by ~4e-4
+        assert result["diff"] < 5e-6, result
+        assert "part of a ZeroAdamW's params" in result["refused"]
+        assert "other params' grads together" in result["refused_beside"]
+        assert all("Nothing was clipped" in str(error) for error in result["early"]), result["early"]
+        assert result["looks"] == [
+            ("clip_grad_norm_", ["parameters", "max_norm", "norm_type", "error_if_nonfinite",
+                                 "foreach"], True, True),
+            ("clip_grad_value_", ["parameters", "clip_value", "foreach"], True, True)]
+        assert result["after"] == result["before"]          # nothing was scaled

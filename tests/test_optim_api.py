@@ -217,13 +217,20 @@ def test_memory_report_and_placement():
     assert opt.placement() == {k: "host" for k in report}
 
 
-def test_clip_grad_norm_matches_torch():
+def _pair_with_large_grads():
+    """The same model under ZeroAdamW and torch's AdamW, after one backward
+    with grads large enough to clip."""
     model, ref = _model(), _model()
     opt = rlhfz.ZeroAdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     x = torch.randn(8, 13)
     for m in (model, ref):
         (100 * m(x)).pow(2).mean().backward()
+    return model, opt, ref, ref_opt
+
+
+def test_clip_grad_norm_matches_torch():
+    model, opt, ref, ref_opt = _pair_with_large_grads()
     norm = opt.clip_grad_norm_(1.0)
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
     torch.testing.assert_close(norm, ref_norm, rtol=1e-6, atol=0)
@@ -233,6 +240,29 @@ def test_clip_grad_norm_matches_torch():
     ref_opt.step()
     for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
+
+
+def test_clip_grad_value_matches_torch_on_all_or_some_params():
+    model, opt, ref, ref_opt = _pair_with_large_grads()
+    opt.clip_grad_value_(5.0, params=model[2].parameters())
+    torch.nn.utils.clip_grad_value_(ref[2].parameters(), 5.0)
+    opt.clip_grad_value_(50.0)
+    torch.nn.utils.clip_grad_value_(ref.parameters(), 50.0)
+    assert max(float(p.grad.abs().max()) for p in model[2].parameters()) == 5.0
+    opt.step()
+    ref_opt.step()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
+
+
+def test_clip_grad_value_refuses_params_of_another_optimizer():
+    model = _model()
+    opt = rlhfz.ZeroAdamW(model[0].parameters(), lr=1e-3)
+    model(torch.randn(4, 13)).sum().backward()
+    before = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="this optimizer's params only"):
+        opt.clip_grad_value_(1e-6, params=model.parameters())
+    assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before))
 
 
 def test_clip_then_modified_grads_are_checked_again():

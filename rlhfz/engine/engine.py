@@ -395,6 +395,23 @@ class ShardEngine:
         for view in views:
             self.backend.scale_(view, factor)
 
+    def clamp_grads(self, plans, value: float, ids: set | None = None) -> None:
+        """Clamps the reduced grads in the shards to [-value, value], as
+        torch.nn.utils.clip_grad_value_ does to whole ones: all of them, or
+        the params' whose id is in `ids`. Elementwise, so each rank clamps
+        its own range; the zero padding stays zero and NaN stays NaN."""
+        self.settle_grads()
+        for plan in plans:
+            bucket = plan.bucket
+            for start, stop, _, _ in plan.segments:
+                for index in range(start, stop):
+                    if ids is not None and id(bucket.params[index]) not in ids:
+                        continue
+                    lo, hi = bucket.shard.local[index]
+                    if lo < hi:
+                        bucket.flat_grad_shard[lo:hi].clamp_(-value, value)
+        self.grads_changed()
+
     def norm(self, plans, norm_type: float = 2.0) -> float:
         """The global norm of the grads, as torch.nn.utils.clip_grad_norm_
         computes it over whole grads (a collective across ranks). The

@@ -15,6 +15,7 @@ import torch
 from accelerate import Accelerator
 
 from ..optim import owning_optimizer
+from ..torch_clip_grad import one_owner
 
 
 def zero_optimizer(optimizer):
@@ -84,26 +85,9 @@ class ZeroAcceleratorMixin:
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        ids = {id(p) for p in parameters}
-        owners = []
-        for opt in self._zero_optimizers():
-            owned = {id(p) for group in opt.param_groups for p in group["params"]}
-            if owned & ids:
-                owners.append((opt, owned))
-        if not owners:
+        opt = one_owner(parameters, self._zero_optimizers(), "clip_grad_norm_")
+        if opt is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
-        # A ZeroAdamW's grads are sharded: it takes the norm over all of its
-        # params at once, so only exactly those can be clipped through it.
-        owned = set().union(*(o for _, o in owners))
-        others = [p for p in parameters if id(p) not in owned and p.grad is not None]
-        if len(owners) > 1 or not owners[0][1] <= ids or others:
-            raise ValueError(
-                "clip_grad_norm_ over these parameters would need the norm of part of a "
-                "ZeroAdamW's params, or of several optimizers' together, but a ZeroAdamW takes "
-                "one norm over all of its own params (its grads are sharded). Pass exactly one "
-                "ZeroAdamW's params (model.parameters() when it trains the model), or clip each "
-                "optimizer with its own clip_grad_norm_")
-        opt = owners[0][0]
         if getattr(self, "scaler", None) is not None:
             self.unscale_gradients(opt)
         return opt.clip_grad_norm_(max_norm, norm_type)

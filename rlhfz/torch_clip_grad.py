@@ -1,0 +1,137 @@
+"""torch.nn.utils.clip_grad_norm_ and clip_grad_value_ reaching the grads
+that live in an optimizer's shards.
+
+At stages 2 and 3 across ranks p.grad is None after backward, so torch's
+clips find no grads: clip_grad_norm_ would return 0 and clip nothing, and
+the step would take unclipped grads. So both are wrapped, once (as
+Module.zero_grad is, module_zero_grad.py): over exactly one such
+optimizer's params they clip its shards, as its own clip_grad_norm_ and
+clip_grad_value_ do; over part of its params, or several optimizers'
+together, the norm is refused with what to do instead. Everything else
+goes to torch's own. torch's clip_grad_norm_ itself, where code bound it
+before, cannot be reached: a call of it over such params is refused.
+"""
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+import torch.nn.utils.clip_grad as torch_clip_grad
+
+_SHARDED: weakref.WeakSet = weakref.WeakSet()   # optimizers whose grads live in shards
+_TORCH: dict = {}                                # name -> torch's own function
+
+
+def watch(optimizer) -> None:
+    """torch's clips of the optimizer's params reach its shards from now on."""
+    if not _TORCH:
+        for name, wrapper in (("clip_grad_norm_", _clip_grad_norm_),
+                              ("clip_grad_value_", _clip_grad_value_)):
+            original = getattr(torch_clip_grad, name)
+            _TORCH[name] = original
+            wrapped = functools.wraps(original)(wrapper)
+            # both names: torch.nn.utils re-exports them, and the deprecated
+            # clip_grad_norm looks clip_grad_norm_ up in its own module
+            setattr(torch_clip_grad, name, wrapped)
+            setattr(torch.nn.utils, name, wrapped)
+        # torch's clip_grad_norm_ as bound before (`from torch.nn.utils import
+        # clip_grad_norm_`), and clip_grads_with_norm_, scale through this one
+        scale = getattr(torch_clip_grad, "_clip_grads_with_norm_", None)
+        if scale is not None:
+            _TORCH["scale"] = scale
+            guard = functools.wraps(scale)(_refuse_unreached)
+            torch_clip_grad._clip_grads_with_norm_ = guard
+            if getattr(torch.nn.utils, "clip_grads_with_norm_", None) is scale:
+                torch.nn.utils.clip_grads_with_norm_ = guard      # its public name
+    _SHARDED.add(optimizer)
+
+
+def unwatch(optimizer) -> None:
+    _SHARDED.discard(optimizer)
+
+
+def one_owner(parameters: list, optimizers, call: str):
+    """The one optimizer among `optimizers` whose params are among
+    `parameters`, or None when none is. ValueError when the clip would need
+    part of an optimizer's params, or several optimizers' together, or
+    grads of params outside them beside them: one norm over all of an
+    optimizer's params is all its shards can give."""
+    ids = {id(p) for p in parameters}
+    owners = []
+    for opt in optimizers:
+        owned = {id(p) for group in opt.param_groups for p in group["params"]}
+        if owned & ids:
+            owners.append((opt, owned))
+    if not owners:
+        return None
+    owned = set().union(*(o for _, o in owners))
+    others = [p for p in parameters if id(p) not in owned and p.grad is not None]
+    if len(owners) > 1 or not owners[0][1] <= ids or others:
+        what = ("several optimizers' together" if len(owners) > 1 else
+                "a ZeroAdamW's params and other params' grads together" if others else
+                "part of a ZeroAdamW's params")
+        raise ValueError(
+            f"{call} over these parameters would need the norm of {what}, but a ZeroAdamW "
+            f"takes one norm over all of its own params (its grads are sharded). Pass exactly "
+            f"one ZeroAdamW's params (model.parameters() when it trains the model), or clip "
+            f"each optimizer with its own clip_grad_norm_")
+    return owners[0][0]
+
+
+def _sharded_owners(parameters: list) -> list:
+    """The watched optimizers owning any of `parameters`, in the order their
+    params first come there: every rank calls their collectives alike."""
+    owned = {}
+    for opt in list(_SHARDED):
+        for group in opt.param_groups:
+            owned.update((id(p), opt) for p in group["params"])
+    owners = []
+    for p in parameters:
+        opt = owned.get(id(p))
+        if opt is not None and all(opt is not o for o in owners):
+            owners.append(opt)
+    return owners
+
+
+def _as_list(parameters) -> list:
+    # a generator is read once: torch's own gets the list
+    return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+
+
+def _clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False,
+                     foreach=None):
+    parameters = _as_list(parameters)
+    owners = _sharded_owners(parameters)
+    if not owners:
+        return _TORCH["clip_grad_norm_"](parameters, max_norm, norm_type,
+                                         error_if_nonfinite, foreach)
+    opt = one_owner(parameters, owners, "torch.nn.utils.clip_grad_norm_")
+    return opt.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite, foreach)
+
+
+def _clip_grad_value_(parameters, clip_value, foreach=None):
+    parameters = _as_list(parameters)
+    owners = _sharded_owners(parameters)
+    for opt in owners:
+        # elementwise, so any of an optimizer's params clip alone
+        owned = {id(p) for g in opt.param_groups for p in g["params"]}
+        opt.clip_grad_value_(clip_value, foreach, params=[p for p in parameters
+                                                          if id(p) in owned])
+    taken = {id(p) for opt in owners for g in opt.param_groups for p in g["params"]}
+    rest = [p for p in parameters if id(p) not in taken]
+    if rest or not owners:
+        _TORCH["clip_grad_value_"](rest, clip_value, foreach)
+
+
+def _refuse_unreached(parameters, max_norm, total_norm, foreach=None):
+    parameters = _as_list(parameters)
+    if _sharded_owners(parameters):
+        raise ValueError(
+            "torch's clip_grad_norm_ (as bound before a ZeroAdamW at stage 2 or 3 was built, "
+            "by `from torch.nn.utils import clip_grad_norm_`), or clip_grads_with_norm_, got "
+            "params whose grads that optimizer keeps in its shards: p.grad is None there, so "
+            "torch's norm leaves them out and they would not be clipped. Nothing was clipped. "
+            "Call the optimizer's clip_grad_norm_(max_norm), or torch.nn.utils.clip_grad_norm_ "
+            "looked up where it is called")
+    return _TORCH["scale"](parameters, max_norm, total_norm, foreach)
