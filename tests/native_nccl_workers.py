@@ -188,6 +188,31 @@ def one_device_for_all(rank, world_size):
     return {"raised": raised, "after_s": time.monotonic() - started, "watchdogs": len(watchdogs)}
 
 
+def bootstrap_fails_on_one_rank(rank, world_size, failing_rank):
+    """The failing rank cannot make rlhfz's stream, before any NCCL init:
+    what each rank's communicator raises, how soon, and whether a watchdog
+    or a communicator was left behind (NCCL's blocking init would wait for
+    the failing rank for ever)."""
+    import threading
+    import time
+    from rlhfz import _C
+    from rlhfz.comm import NativeNcclCommunicator
+    from rlhfz.engine import backend_for
+    backend = backend_for(torch.device("cpu"))
+    if rank == failing_rank:
+        _C.cuda_sim_inject("cudaStreamCreateWithFlags:1")
+    started = time.monotonic()
+    try:
+        comm = NativeNcclCommunicator(None, backend)
+        raised = None
+    except Exception as error:      # noqa: BLE001 - the test checks which
+        raised = f"{type(error).__name__}: {error}"
+    else:
+        comm.destroy()
+    watchdogs = [t for t in threading.enumerate() if t.name == "rlhfz-nccl-watchdog"]
+    return {"raised": raised, "after_s": time.monotonic() - started, "watchdogs": len(watchdogs)}
+
+
 def gather_then_peer_dies(rank, world_size, victim, out_dir):
     """Stage 3: the ranks gather for generation (the buffers it frees are
     released later, from a pending call), then the victim dies before the

@@ -222,6 +222,28 @@ def test_a_refused_constructor_leaves_no_communicator(monkeypatch):
 
 @needs_simulator
 @needs_nccl
+@pytest.mark.parametrize("world_size, failing_rank", [(2, 1), (3, 0)])
+def test_a_rank_failing_before_the_nccl_init_fails_every_rank_at_once(monkeypatch, world_size,
+                                                                        failing_rank):
+    """A blocking ncclCommInitRank waits for every rank: one that failed
+    before it (here its stream) would leave the others waiting for ever, or
+    for a communicator whose first collective times out."""
+    _own_devices(monkeypatch, world_size)
+    monkeypatch.setenv("RLHFZ_COLLECTIVE_TIMEOUT", "30")
+    outcomes = run_ranks(workers.bootstrap_fails_on_one_rank, world_size, failing_rank,
+                         timeout=90)
+    for rank, out in enumerate(outcomes):
+        assert out["raised"] is not None and out["watchdogs"] == 0, out
+        assert out["after_s"] < 15, out
+        if rank == failing_rank:
+            assert out["raised"].startswith("RuntimeError: CudaStream"), out
+        else:
+            assert out["raised"].startswith("CollectiveError"), out
+            assert f"rank {failing_rank} failed first" in out["raised"], out
+
+
+@needs_simulator
+@needs_nccl
 def test_a_peer_dying_after_a_gather_for_generation_raises(monkeypatch, tmp_path):
     """Stage 3: buffers released after the gather free device memory, which
     waits for the collectives queued before it: those are watched from

@@ -8,8 +8,10 @@ DLPack and checks (dtype, device, sizes, overlap) as the kernels do:
 
 - libnccl.so.2 is loaded once, preferring the copy torch already loaded,
   then $RLHFZ_NCCL_LIBRARY, then the nvidia-nccl wheel's;
-- the unique id is made on rank 0 and broadcast over the communicator's
-  gloo control group (under rlhfz's collective timeout);
+- the unique id is made on rank 0 and sent over the communicator's gloo
+  control group (under rlhfz's collective timeout), with each rank's word
+  that its library, device and stream are ready: a rank that failed there
+  fails every rank at once, where NCCL's blocking init would wait for it;
 - each collective runs on rlhfz's own CUDA stream: it first waits (an
   event, no host block) for the work torch's current stream has queued,
   and the returned work's wait() makes torch's current stream wait for the
@@ -159,18 +161,49 @@ class NcclEngine:
         self.rank, self.world_size = control.rank, control.world_size
         self.backend = backend
         self.index = backend.index
-        load()
-        unique_id = control.broadcast_object(_C.nccl_unique_id() if self.rank == 0 else None,
-                                             "NcclComm bootstrap")
-        # NCCL binds a communicator to the device current at init.
-        with backend.device_guard():
-            self.nccl = _C.NcclComm(unique_id, self.world_size, self.rank, self.index)
+        self.stream = self._bootstrap(control, backend)
         try:
-            self.stream = _C.CudaStream(self.index)
             self.watchdog = _Watchdog(self)
         except BaseException:
             self.nccl.abort()      # a half-built engine leaves no communicator behind
             raise
+
+    def _bootstrap(self, control: ControlPlane, backend):
+        """Makes the communicator and returns rlhfz's stream. A blocking
+        ncclCommInitRank waits for every rank for ever, so whatever can fail
+        on one rank alone (the library, the device, the stream, the unique
+        id) is done first, and the ranks agree that all of it worked before
+        any enters the init: a rank that failed raises its own error, the
+        others a CollectiveError naming it, at once."""
+        unique_id = stream = None
+        failure = None
+        try:
+            load()
+            with backend.device_guard():
+                stream = _C.CudaStream(self.index)
+            if self.rank == 0:
+                unique_id = _C.nccl_unique_id()
+        except Exception as error:                  # noqa: BLE001 - each rank says why
+            failure = error
+        reports = control.exchange(
+            (None if failure is None else f"{type(failure).__name__}: {failure}", unique_id),
+            "NcclComm bootstrap")
+        failed = [(rank, why) for rank, (why, _) in enumerate(reports) if why is not None]
+        if failure is not None:
+            raise failure
+        if failed:
+            stream.close()
+            raise control.lost("the NCCL communicator was not made, because "
+                               + "; ".join(f"rank {rank} failed first: {why}"
+                                           for rank, why in failed))
+        try:
+            # NCCL binds a communicator to the device current at init.
+            with backend.device_guard():
+                self.nccl = _C.NcclComm(reports[0][1], self.world_size, self.rank, self.index)
+        except BaseException:
+            stream.close()
+            raise
+        return stream
 
     def torch_stream(self) -> int:
         return self.backend.stream()
