@@ -61,6 +61,45 @@ def train(rank, world_size, collectives, stage, dtype_name):
         opt.close()
 
 
+def torch_clips(rank, world_size, collectives, stage):
+    """torch.nn.utils.clip_grad_norm_ and clip_grad_value_ as a script
+    calls them, while the grads live in shards on the (simulated) devices
+    and p.grad is None: against torch's AdamW and torch's clips of whole
+    grads on the host. Returns the norms and the largest param difference."""
+    torch.manual_seed(0)
+    model = Net()
+    torch.manual_seed(0)
+    plain = Net()
+    opt = rlhfz.ZeroAdamW(model if stage == 3 else model.parameters(), lr=1e-3, stage=stage,
+                          collectives=collectives, param_persistence_threshold=0,
+                          wrap=(torch.nn.Sequential,) if stage == 3 else None)
+    ref = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    norms = []
+    try:
+        for step in range(6):
+            x, y = _batch(step, rank, world_size, torch.float32)
+            whole_x, whole_y = _batch(step, 0, 1, torch.float32)
+            opt.zero_grad()
+            ref.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            torch.nn.functional.mse_loss(plain(whole_x), whole_y).backward()
+            if step % 2:
+                torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
+                torch.nn.utils.clip_grad_value_(plain.parameters(), 0.01)
+            else:
+                norms.append((float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)),
+                              float(torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.05))))
+            opt.step()
+            ref.step()
+        with rlhfz.gather_for_generation(model):
+            ours = {name: p.detach().clone() for name, p in model.named_parameters()}
+        diff = max(float((ours[name] - p.detach()).abs().max())
+                   for name, p in plain.named_parameters())
+        return {"norms": norms, "diff": diff, "backend": type(opt.backend).__name__}
+    finally:
+        opt.close()
+
+
 def _train_until_one_dies(model, opt, rank, world_size, victim, out_dir, before_death=None):
     """Trains 4 steps; at step 2 the victim SIGKILLs itself (after its
     forward, or, with before_death, after that and before the forward).

@@ -128,6 +128,21 @@ def test_native_engine_trains_as_the_torch_engine(monkeypatch, world_size, stage
 
 @needs_simulator
 @needs_nccl
+@pytest.mark.parametrize("collectives, stage", [("nccl", 2), ("torch", 2), ("nccl", 3)])
+def test_torch_clips_reach_shards_on_the_device(monkeypatch, collectives, stage):
+    """torch.nn.utils.clip_grad_norm_ / clip_grad_value_ over a model whose
+    grads live in device shards: the clips reach them, as torch's reach
+    whole grads."""
+    _own_devices(monkeypatch, 2)
+    for out in run_ranks(workers.torch_clips, 2, collectives, stage):
+        assert out["backend"] == "SimulatedCudaBackend", out
+        for ours, theirs in out["norms"]:
+            assert theirs > 0.05 and ours == pytest.approx(theirs, rel=1e-5), out
+        assert out["diff"] < 5e-6, out
+
+
+@needs_simulator
+@needs_nccl
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_ranks_sharing_a_device_are_refused(monkeypatch, world_size):
     """NCCL refuses a communicator with two ranks on one device (Duplicate
