@@ -879,7 +879,8 @@ def torch_clips_reach_shard_grads(rank, world_size, stage):
     clip_grads_with_norm_ over the params."""
     import warnings
     model, plain = make_model(), make_model()
-    opt = rlhfz.ZeroAdamW(model if stage == 3 else model.parameters(), lr=1e-3, stage=stage)
+    opt = rlhfz.ZeroAdamW(model if stage == 3 else model.parameters(), lr=1e-3, stage=stage,
+                          **({"param_persistence_threshold": 0} if stage == 3 else {}))
     ref = torch.optim.AdamW(plain.parameters(), lr=1e-3)
     shard = slice(rank, None, world_size)
     clips = [lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05),
