@@ -622,6 +622,11 @@ class _BackwardDone(torch.autograd.Function):
     @staticmethod
     def forward(ctx, done, *tensors):
         ctx.done = done
+        # An input returned as it is would be a view made inside a custom
+        # Function, which torch lets nothing change in place; a detached
+        # alias shares its memory and version counter, so an in-place op on
+        # it does what it does on the input in torch, grads and checks alike.
+        tensors = tuple(t.detach() for t in tensors)
         return tensors if len(tensors) != 1 else tensors[0]
 
     @staticmethod

@@ -528,3 +528,66 @@ def torch_optimizer_on_placeholders(rank, world_size):
     except RuntimeError as error:
         out["added"] = str(error)
     return out
+
+
+class ScalesItsInputInPlace(torch.nn.Module):
+    """A block that scales the hidden state it is given in place before
+    using it (some models do so with their hidden states): torch allows it
+    where the producer did not save that tensor, as a Linear does not."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Linear(16, 16)
+        self.outer = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        x.mul_(0.5)
+        return self.outer(torch.tanh(self.inner(x)))
+
+
+def in_place_input_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), ScalesItsInputInPlace(),
+                               ScalesItsInputInPlace(), torch.nn.Linear(16, 3))
+
+
+def in_place_input_training(rank, world_size, steps):
+    """Stage 3, every block a unit and every param sharded, against torch
+    AdamW on the whole batch; the largest param difference."""
+    model, plain = in_place_input_model(), in_place_input_model()
+    opt = rlhfz.ZeroAdamW(model, stage=3, lr=1e-3, wrap=(ScalesItsInputInPlace,),
+                          param_persistence_threshold=0)
+    ref = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        x, y = torch.randn(12, 8, generator=gen), torch.randn(12, 3, generator=gen)
+        opt.zero_grad()
+        ref.zero_grad()
+        torch.nn.functional.mse_loss(model(x[rank::world_size]), y[rank::world_size]).backward()
+        torch.nn.functional.mse_loss(plain(x), y).backward()
+        opt.step()
+        ref.step()
+    ours = rlhfz.full_state_dict(model, rank0_only=False)
+    opt.close()
+    return max(float((ours[name] - value).abs().max())
+               for name, value in plain.state_dict().items())
+
+
+def in_place_on_a_saved_input(sharded: bool, rank: int = 0, world_size: int = 1):
+    """A block that scales, in place, a tanh's output that tanh saved for
+    its backward: what backward raises, under stage 3 or in plain torch."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), ScalesItsInputInPlace(),
+                                torch.nn.Linear(16, 3))
+    if sharded:
+        rlhfz.ZeroAdamW(model, stage=3, lr=1e-3, wrap=(ScalesItsInputInPlace,),
+                        param_persistence_threshold=0)
+    try:
+        model(torch.randn(6, 8)).sum().backward()
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def in_place_on_a_saved_input_sharded(rank, world_size):
+    return in_place_on_a_saved_input(True, rank, world_size)
