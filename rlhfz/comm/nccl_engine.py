@@ -189,10 +189,11 @@ class NcclEngine:
             (None if failure is None else f"{type(failure).__name__}: {failure}", unique_id),
             "NcclComm bootstrap")
         failed = [(rank, why) for rank, (why, _) in enumerate(reports) if why is not None]
+        if failed and stream is not None:
+            stream.close()
         if failure is not None:
             raise failure
         if failed:
-            stream.close()
             raise control.lost("the NCCL communicator was not made, because "
                                + "; ".join(f"rank {rank} failed first: {why}"
                                            for rank, why in failed))
