@@ -24,6 +24,8 @@ from .module_zero_grad import unwatch as unwatch_zero_grad
 from .module_zero_grad import watch as watch_zero_grad
 from .torch_clip_grad import unwatch as unwatch_torch_clip
 from .torch_clip_grad import watch as watch_torch_clip
+from .torch_grad_scaler import unwatch as unwatch_grad_scaler
+from .torch_grad_scaler import watch as watch_grad_scaler
 from .optim_edits import StateEntries, check_group_params
 from .optim_options import (check_engine_options, check_group, check_hparams, check_params,
                             check_state_dtype, check_unsupported, common_device,
@@ -223,6 +225,7 @@ class ZeroAdamW(Optimizer):
                                                     self.bucket_bytes))
                 watch_zero_grad(self.engine)
                 watch_torch_clip(self)
+                watch_grad_scaler(self)
                 self._explain_several_reducers()
             # Stage 3 across ranks: params sharded too, gathered per unit
             # (stage3.py); the model's frozen params are sharded beside them
@@ -559,8 +562,9 @@ class ZeroAdamW(Optimizer):
 
     def unscale_(self, grad_scaler) -> None:
         """What grad_scaler.unscale_(optimizer) does, on the grads where
-        rlhfz keeps them (sharded stages leave param.grad empty): call it
-        instead before clipping. A collective across ranks."""
+        rlhfz keeps them (sharded stages leave param.grad empty; there the
+        scaler's unscale_ calls this, torch_grad_scaler.py). A collective
+        across ranks."""
         from torch.amp.grad_scaler import OptState
         if not grad_scaler.is_enabled():
             return           # as grad_scaler.unscale_ does: GradScaler(enabled=use_amp)
@@ -834,6 +838,7 @@ class ZeroAdamW(Optimizer):
         them (rlhfz's or torch's) is refused with an error that says so."""
         self._closed = True
         unwatch_torch_clip(self)
+        unwatch_grad_scaler(self)
         _let_go(self._engines)
         from .engine import release_pinned
         try:

@@ -11,10 +11,13 @@ def model():
     return torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.Tanh(), torch.nn.Linear(48, 4))
 
 
-def scaled_training(rank, world_size, stage, steps=24, inf_at=(5, 11), clip_every=2):
+def scaled_training(rank, world_size, stage, steps=24, inf_at=(5, 11), clip_every=2,
+                    recipe="rlhfz"):
     """Trains with torch.amp.GradScaler on the CPU; Inf losses at inf_at.
     ZeroAdamW when stage is not None, else torch.optim.AdamW (the reference,
-    one process, whole batch)."""
+    one process, whole batch). recipe="torch": ZeroAdamW clipped by torch's
+    recipe (scaler.unscale_(opt), torch.nn.utils.clip_grad_norm_), not by
+    the optimizer's own calls."""
     warnings.simplefilter("ignore", FutureWarning)
     m = model()
     opt = (rlhfz.ZeroAdamW(m, lr=1e-2, stage=stage) if stage is not None
@@ -29,7 +32,7 @@ def scaled_training(rank, world_size, stage, steps=24, inf_at=(5, 11), clip_ever
             loss = loss * float("inf")
         scaler.scale(loss).backward()
         if step % clip_every == 0:
-            if stage is None:
+            if stage is None or recipe == "torch":
                 scaler.unscale_(opt)
                 torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
             else:
@@ -63,14 +66,17 @@ def inf_then_clamped(rank, world_size, stage):
 
 
 def clip_after_an_unscale_that_reached_nothing(rank, world_size, stage):
-    """At stages 2 and 3 param.grad is None after backward: the scaler's
-    unscale_ reaches nothing, so a clip after it measures scaled grads."""
+    """At stages 2 and 3 param.grad is None after backward. The scaler's
+    unscale_, as bound before the optimizer was built (rlhfz's wrap of it
+    comes with the optimizer), reaches nothing, so a clip after it
+    measures scaled grads."""
     warnings.simplefilter("ignore", FutureWarning)
     m = model()
-    opt = rlhfz.ZeroAdamW(m, lr=1e-2, stage=stage)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+    unscale = scaler.unscale_
+    opt = rlhfz.ZeroAdamW(m, lr=1e-2, stage=stage)
     scaler.scale(m(torch.randn(8, 16)).pow(2).mean()).backward()
-    scaler.unscale_(opt)
+    unscale(opt)
     opt.clip_grad_norm_(0.5)
     before = {n: t.clone() for n, t in rlhfz.iter_full_params(m)}
     try:

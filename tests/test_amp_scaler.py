@@ -27,9 +27,12 @@ def test_one_process_follows_torch(reference, stage):
     _close(out["params"], reference["params"])
 
 
+@pytest.mark.parametrize("recipe", ["rlhfz", "torch"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_two_ranks_follow_torch(reference, stage):
-    results = run_ranks(workers.scaled_training, 2, stage)
+def test_two_ranks_follow_torch(reference, stage, recipe):
+    """recipe "torch": scaler.unscale_(opt) and torch.nn.utils.clip_grad_norm_,
+    as a torch script clips, reach the grads in the shards at stages 2 and 3."""
+    results = run_ranks(workers.scaled_training, 2, stage, 24, (5, 11), 2, recipe)
     for rank in (0, 1):
         assert results[rank]["scales"] == reference["scales"]
         assert results[rank]["skipped"] == 2
