@@ -22,10 +22,8 @@ from .engine import INT8_SQ_LIMIT, ShardEngine, backend_for, host_buffer
 from .engine.layout import env_bucket_bytes
 from .module_zero_grad import unwatch as unwatch_zero_grad
 from .module_zero_grad import watch as watch_zero_grad
-from .torch_clip_grad import unwatch as unwatch_torch_clip
-from .torch_clip_grad import watch as watch_torch_clip
-from .torch_grad_scaler import unwatch as unwatch_grad_scaler
-from .torch_grad_scaler import watch as watch_grad_scaler
+from .torch_grad_calls import unwatch as unwatch_torch_grad_calls
+from .torch_grad_calls import watch as watch_torch_grad_calls
 from .optim_edits import StateEntries, check_group_params
 from .optim_options import (check_engine_options, check_group, check_hparams, check_params,
                             check_state_dtype, check_unsupported, common_device,
@@ -224,8 +222,7 @@ class ZeroAdamW(Optimizer):
                 self.engine.use_reducer(GradReducer(self.engine.buckets, self.comm, self.backend,
                                                     self.bucket_bytes))
                 watch_zero_grad(self.engine)
-                watch_torch_clip(self)
-                watch_grad_scaler(self)
+                watch_torch_grad_calls(self)
                 self._explain_several_reducers()
             # Stage 3 across ranks: params sharded too, gathered per unit
             # (stage3.py); the model's frozen params are sharded beside them
@@ -563,7 +560,7 @@ class ZeroAdamW(Optimizer):
     def unscale_(self, grad_scaler) -> None:
         """What grad_scaler.unscale_(optimizer) does, on the grads where
         rlhfz keeps them (sharded stages leave param.grad empty; there the
-        scaler's unscale_ calls this, torch_grad_scaler.py). A collective
+        scaler's unscale_ calls this, torch_grad_calls.py). A collective
         across ranks."""
         from torch.amp.grad_scaler import OptState
         if not grad_scaler.is_enabled():
@@ -837,8 +834,7 @@ class ZeroAdamW(Optimizer):
         keep their shards for the model's life, so another optimizer over
         them (rlhfz's or torch's) is refused with an error that says so."""
         self._closed = True
-        unwatch_torch_clip(self)
-        unwatch_grad_scaler(self)
+        unwatch_torch_grad_calls(self)
         _let_go(self._engines)
         from .engine import release_pinned
         try:

@@ -403,13 +403,14 @@ class ShardEngine:
         self.settle_grads()
         for plan in plans:
             bucket = plan.bucket
-            for start, stop, _, _ in plan.segments:
-                for index in range(start, stop):
-                    if ids is not None and id(bucket.params[index]) not in ids:
-                        continue
-                    lo, hi = bucket.shard.local[index]
-                    if lo < hi:
-                        bucket.flat_grad_shard[lo:hi].clamp_(-value, value)
+            if ids is None:        # whole runs at once: their padding is zero and stays so
+                spans = [(lo, hi) for _, _, lo, hi in plan.segments]
+            else:
+                spans = [bucket.shard.local[index] for start, stop, _, _ in plan.segments
+                         for index in range(start, stop) if id(bucket.params[index]) in ids]
+            for lo, hi in spans:
+                if lo < hi:
+                    bucket.flat_grad_shard[lo:hi].clamp_(-value, value)
         self.grads_changed()
 
     def norm(self, plans, norm_type: float = 2.0) -> float:

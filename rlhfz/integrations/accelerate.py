@@ -15,7 +15,7 @@ import torch
 from accelerate import Accelerator
 
 from ..optim import owning_optimizer
-from ..torch_clip_grad import one_owner
+from ..torch_grad_calls import one_owner
 
 
 def zero_optimizer(optimizer):

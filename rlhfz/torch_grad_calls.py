@@ -1,15 +1,21 @@
-"""torch.nn.utils.clip_grad_norm_ and clip_grad_value_ reaching the grads
-that live in an optimizer's shards.
+"""torch's calls that read param.grad (the clips, GradScaler.unscale_)
+reaching the grads that live in an optimizer's shards.
 
 At stages 2 and 3 across ranks p.grad is None after backward, so torch's
 clips find no grads: clip_grad_norm_ would return 0 and clip nothing, and
-the step would take unclipped grads. So both are wrapped, once (as
-Module.zero_grad is, module_zero_grad.py): over exactly one such
-optimizer's params they clip its shards, as its own clip_grad_norm_ and
-clip_grad_value_ do; over part of its params, or several optimizers'
-together, the norm is refused with what to do instead. Everything else
-goes to torch's own. torch's clip_grad_norm_ itself, where code bound it
-before, cannot be reached: a call of it over such params is refused.
+the step would take unclipped grads; the scaler's unscale_ would unscale
+nothing, and a clip after it would measure scaled grads. So these are
+wrapped, once, when the first such optimizer is built (as Module.zero_grad
+is, module_zero_grad.py):
+- clip_grad_norm_ over exactly one such optimizer's params clips its
+  shards, as its own clip_grad_norm_ does; over part of its params, or
+  several optimizers' together, it is refused with what to do instead;
+- clip_grad_value_ clamps any of such an optimizer's params in its shards;
+- GradScaler.unscale_ given such an optimizer calls its unscale_(scaler).
+Everything else goes to torch's own. torch's clip_grad_norm_ itself, where
+code bound it before, cannot be reached: a call of it over such params is
+refused. A bound scaler.unscale_ taken before keeps torch's too: the step
+then refuses the clip after it (ZeroAdamW._scaler_unscale).
 """
 from __future__ import annotations
 
@@ -24,31 +30,38 @@ _TORCH: dict = {}                                # name -> torch's own function
 
 
 def watch(optimizer) -> None:
-    """torch's clips of the optimizer's params reach its shards from now on."""
+    """torch's clips and scaler unscales of the optimizer's params reach
+    its shards from now on."""
     if not _TORCH:
-        for name, wrapper in (("clip_grad_norm_", _clip_grad_norm_),
-                              ("clip_grad_value_", _clip_grad_value_)):
-            original = getattr(torch_clip_grad, name)
-            _TORCH[name] = original
-            wrapped = functools.wraps(original)(wrapper)
-            # both names: torch.nn.utils re-exports them, and the deprecated
-            # clip_grad_norm looks clip_grad_norm_ up in its own module
-            setattr(torch_clip_grad, name, wrapped)
-            setattr(torch.nn.utils, name, wrapped)
-        # torch's clip_grad_norm_ as bound before (`from torch.nn.utils import
-        # clip_grad_norm_`), and clip_grads_with_norm_, scale through this one
-        scale = getattr(torch_clip_grad, "_clip_grads_with_norm_", None)
-        if scale is not None:
-            _TORCH["scale"] = scale
-            guard = functools.wraps(scale)(_refuse_unreached)
-            torch_clip_grad._clip_grads_with_norm_ = guard
-            if getattr(torch.nn.utils, "clip_grads_with_norm_", None) is scale:
-                torch.nn.utils.clip_grads_with_norm_ = guard      # its public name
+        _wrap_torch()
     _SHARDED.add(optimizer)
 
 
 def unwatch(optimizer) -> None:
     _SHARDED.discard(optimizer)
+
+
+def _wrap_torch() -> None:
+    for name, wrapper in (("clip_grad_norm_", _clip_grad_norm_),
+                          ("clip_grad_value_", _clip_grad_value_)):
+        original = getattr(torch_clip_grad, name)
+        _TORCH[name] = original
+        wrapped = functools.wraps(original)(wrapper)
+        # both names: torch.nn.utils re-exports them, and the deprecated
+        # clip_grad_norm looks clip_grad_norm_ up in its own module
+        setattr(torch_clip_grad, name, wrapped)
+        setattr(torch.nn.utils, name, wrapped)
+    # torch's clip_grad_norm_ as bound before (`from torch.nn.utils import
+    # clip_grad_norm_`), and clip_grads_with_norm_, scale through this one
+    scale = getattr(torch_clip_grad, "_clip_grads_with_norm_", None)
+    if scale is not None:
+        _TORCH["scale"] = scale
+        guard = functools.wraps(scale)(_refuse_unreached)
+        torch_clip_grad._clip_grads_with_norm_ = guard
+        if getattr(torch.nn.utils, "clip_grads_with_norm_", None) is scale:
+            torch.nn.utils.clip_grads_with_norm_ = guard      # its public name
+    _TORCH["unscale_"] = torch.amp.GradScaler.unscale_
+    torch.amp.GradScaler.unscale_ = functools.wraps(_TORCH["unscale_"])(_unscale_)
 
 
 def one_owner(parameters: list, optimizers, call: str):
@@ -79,19 +92,22 @@ def one_owner(parameters: list, optimizers, call: str):
     return owners[0][0]
 
 
-def _sharded_owners(parameters: list) -> list:
-    """The watched optimizers owning any of `parameters`, in the order their
-    params first come there: every rank calls their collectives alike."""
-    owned = {}
+def _sharded_owners(parameters: list) -> tuple[list, list]:
+    """([(watched optimizer, its params among `parameters`)], the rest), the
+    optimizers in the order their params first come there: every rank
+    calls their collectives alike."""
+    owner_of = {}
     for opt in list(_SHARDED):
         for group in opt.param_groups:
-            owned.update((id(p), opt) for p in group["params"])
-    owners = []
+            owner_of.update((id(p), opt) for p in group["params"])
+    owned, rest = {}, []
     for p in parameters:
-        opt = owned.get(id(p))
-        if opt is not None and all(opt is not o for o in owners):
-            owners.append(opt)
-    return owners
+        opt = owner_of.get(id(p))
+        if opt is None:
+            rest.append(p)
+        else:
+            owned.setdefault(opt, []).append(p)
+    return list(owned.items()), rest
 
 
 def _as_list(parameters) -> list:
@@ -102,31 +118,26 @@ def _as_list(parameters) -> list:
 def _clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False,
                      foreach=None):
     parameters = _as_list(parameters)
-    owners = _sharded_owners(parameters)
+    owners, _ = _sharded_owners(parameters)
     if not owners:
         return _TORCH["clip_grad_norm_"](parameters, max_norm, norm_type,
                                          error_if_nonfinite, foreach)
-    opt = one_owner(parameters, owners, "torch.nn.utils.clip_grad_norm_")
+    opt = one_owner(parameters, [opt for opt, _ in owners], "torch.nn.utils.clip_grad_norm_")
     return opt.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite, foreach)
 
 
 def _clip_grad_value_(parameters, clip_value, foreach=None):
     parameters = _as_list(parameters)
-    owners = _sharded_owners(parameters)
-    for opt in owners:
-        # elementwise, so any of an optimizer's params clip alone
-        owned = {id(p) for g in opt.param_groups for p in g["params"]}
-        opt.clip_grad_value_(clip_value, foreach, params=[p for p in parameters
-                                                          if id(p) in owned])
-    taken = {id(p) for opt in owners for g in opt.param_groups for p in g["params"]}
-    rest = [p for p in parameters if id(p) not in taken]
+    owners, rest = _sharded_owners(parameters)
+    for opt, params in owners:
+        opt.clip_grad_value_(clip_value, foreach, params=params)   # elementwise: any of them
     if rest or not owners:
         _TORCH["clip_grad_value_"](rest, clip_value, foreach)
 
 
 def _refuse_unreached(parameters, max_norm, total_norm, foreach=None):
     parameters = _as_list(parameters)
-    if _sharded_owners(parameters):
+    if _sharded_owners(parameters)[0]:
         raise ValueError(
             "torch's clip_grad_norm_ (as bound before a ZeroAdamW at stage 2 or 3 was built, "
             "by `from torch.nn.utils import clip_grad_norm_`), or clip_grads_with_norm_, got "
@@ -135,3 +146,9 @@ def _refuse_unreached(parameters, max_norm, total_norm, foreach=None):
             "Call the optimizer's clip_grad_norm_(max_norm), or torch.nn.utils.clip_grad_norm_ "
             "looked up where it is called")
     return _TORCH["scale"](parameters, max_norm, total_norm, foreach)
+
+
+def _unscale_(self, optimizer):
+    if optimizer in _SHARDED:
+        return optimizer.unscale_(self)
+    return _TORCH["unscale_"](self, optimizer)
