@@ -1,10 +1,11 @@
 """Whole tensors of a sharded model: its state dict gathered unit by unit,
-its params' whole shapes, and the master weights following a load."""
+its params' whole shapes, a blend of one model's params into another's,
+and the master weights following a load."""
 from __future__ import annotations
 
 import torch
 
-from .generation import unwrap_model
+from .generation import iter_full_params, unwrap_model
 from .sharding import sharding_of_model
 from .state_dict_hooks import gathered_values
 
@@ -39,6 +40,77 @@ def whole_shape(slots: dict, p: torch.Tensor) -> tuple:
         return tuple(p.shape)
     bucket, index = slot
     return bucket.layout.slots[index].shape
+
+
+def blend_params(target, source, alpha: float, *, bucket_bytes: int = 256 << 20) -> None:
+    """target's params <- (1 - alpha) * target + alpha * source, name by
+    name in the target's dtype, as TRL's SyncRefModelCallback moves a
+    reference model toward the policy (the same operations, so the same
+    bits). Either model may be sharded at stage 3 across ranks, and then
+    this is a collective that every rank calls: both are read a few units at
+    a time (iter_full_params) and the target written through its
+    load_state_dict, so no rank holds either model whole. The models must
+    have the same param names, whole shapes and dtypes: otherwise
+    ValueError, and nothing changed."""
+    alpha = float(alpha)
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be within [0, 1], not {alpha}")
+    if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be an int > 0, not {bucket_bytes!r}")
+    target_record, target_inner = unwrapped(target)
+    _, source_inner = unwrapped(source)
+    _check_alike(_param_specs(target), _param_specs(source))
+    with torch.no_grad():
+        if target_record is None or target_record.stage3 is None:
+            params = dict(target_inner.named_parameters())
+            for name, value in iter_full_params(source, bucket_bytes):
+                params[name].mul_(1.0 - alpha).add_(value.to(params[name].device), alpha=alpha)
+            return
+        # Both iterated in step: alike models yield in the same order, so a
+        # tensor waits for its partner only when their units differ.
+        waiting = ({}, {})
+        ready, size = {}, 0
+        for pair in zip(iter_full_params(target, bucket_bytes),
+                        iter_full_params(source, bucket_bytes), strict=True):
+            for side, (name, value) in enumerate(pair):
+                waiting[side][name] = value
+            for name in {pair[0][0], pair[1][0]}:
+                if name in waiting[0] and name in waiting[1]:
+                    mine, theirs = waiting[0].pop(name), waiting[1].pop(name)
+                    ready[name] = mine.mul(1.0 - alpha).add_(theirs.to(mine.device), alpha=alpha)
+                    size += mine.numel() * mine.element_size()
+            if size >= bucket_bytes:
+                target_inner.load_state_dict(ready, strict=False)
+                ready, size = {}, 0
+        if ready:
+            target_inner.load_state_dict(ready, strict=False)
+
+
+def _param_specs(model) -> dict[str, tuple]:
+    """{name: (whole shape, dtype)} of the model's params, placeholders included."""
+    record, inner = unwrapped(model)
+    slots = record.sharded_slots() if record is not None and record.stage3 is not None else {}
+    return {name: (tuple(whole_shape(slots, p)), p.dtype)
+            for name, p in inner.named_parameters()}
+
+
+def _check_alike(target: dict, source: dict) -> None:
+    if target == source:
+        return
+    missing = sorted(set(target) - set(source))
+    extra = sorted(set(source) - set(target))
+    differ = sorted(n for n in set(target) & set(source) if target[n] != source[n])
+    parts = []
+    if missing:
+        parts.append(f"the source lacks {missing[:5]}")
+    if extra:
+        parts.append(f"the target lacks {extra[:5]}")
+    if differ:
+        name = differ[0]
+        parts.append(f"{len(differ)} differ in shape or dtype, as {name}: {target[name]} in the "
+                     f"target, {source[name]} in the source")
+    raise ValueError("the two models' params do not match, so one cannot be blended into the "
+                     "other: " + "; ".join(parts) + ". Nothing was changed")
 
 
 def sync_buckets(buckets) -> None:

@@ -452,3 +452,72 @@ def adalora_saved(rank, world_size, directory):
         if rank == 0:
             model.save_pretrained(os.path.join(directory, "remedy"))
     return {"errors": errors, "written": written}
+
+
+def _trl_blend(target_state, source_state, alpha):
+    """TRL's SyncRefModelCallback mixing whole copies (state dicts)."""
+    from trl.trainer.callbacks import SyncRefModelCallback
+    target, source = tiny_lm("llama"), tiny_lm("llama")
+    target.load_state_dict(target_state)
+    source.load_state_dict(source_state)
+    SyncRefModelCallback._sync_target_model(source, target, alpha)
+    return target.state_dict()
+
+
+def blend(rank, world_size, layout, alpha):
+    """blend_params into a reference model from a trained policy, each of
+    them sharded or whole as layout says, against TRL's blend of whole
+    copies; then a blend between unlike models, refused."""
+    from rlhfz.model_state import blend_params
+    policy, reference = tiny_lm("llama", seed=1), tiny_lm("llama", seed=2)
+    if layout["policy"] is not None:
+        opt = rlhfz.ZeroAdamW(policy, stage=3, lr=1e-2,
+                              param_persistence_threshold=layout["policy"])
+    else:
+        opt = rlhfz.ZeroAdamW(policy, stage=2, lr=1e-2)
+    train(policy, opt, rank, world_size, 2, clip=False)
+    if layout["reference"] is not None:
+        rlhfz.shard_model(reference, param_persistence_threshold=layout["reference"])
+    before = rlhfz.full_state_dict(reference, rank0_only=False)
+    expected = _trl_blend(before, rlhfz.full_state_dict(policy, rank0_only=False), alpha)
+    blend_params(reference, policy, alpha, bucket_bytes=4096)
+    after = rlhfz.full_state_dict(reference, rank0_only=False)
+    out = {"bitwise": sorted(after) == sorted(expected) and
+           all(torch.equal(after[k], expected[k]) for k in expected),
+           "changed": not all(torch.equal(after[k], before[k]) for k in before),
+           "local": sum(p.numel() for p in reference.parameters()),
+           "whole": sum(t.numel() for k, t in after.items() if k != "lm_head.weight")}
+    errors = []
+    for other in ("llama-untied", "gpt2"):
+        try:
+            blend_params(reference, tiny_lm(other), alpha)
+        except ValueError as error:
+            errors.append(str(error))
+    for bad in (1.5, float("nan")):
+        try:
+            blend_params(reference, policy, bad)
+        except ValueError as error:
+            errors.append(str(error))
+    out["errors"] = errors
+    again = rlhfz.full_state_dict(reference, rank0_only=False)
+    out["unchanged_by_errors"] = all(torch.equal(again[k], after[k]) for k in after)
+    opt.close()
+    return out
+
+
+def accelerate_reference(rank, world_size):
+    """A hand-written accelerate loop: a model prepared in evaluation mode
+    beside a stage-3 ZeroAdamW is sharded as the policy is, and runs as
+    the whole model does."""
+    from rlhfz.integrations.accelerate import ZeroAccelerator
+    accelerator = ZeroAccelerator(cpu=True)
+    policy = tiny_lm("llama", seed=1)
+    opt = rlhfz.ZeroAdamW(policy, stage=3, lr=1e-2, param_persistence_threshold=0)
+    policy, _ = accelerator.prepare(policy, opt)
+    reference = accelerator.prepare_model(tiny_lm("llama", seed=2), evaluation_mode=True)
+    ids = torch.tensor([[5, 17, 23, 42, 8, 9]])
+    with torch.no_grad():
+        same = torch.equal(reference(ids).logits, tiny_lm("llama", seed=2)(ids).logits)
+    out = {"local": sum(p.numel() for p in reference.parameters()), "logits_equal": same}
+    opt.close()
+    return out

@@ -441,3 +441,34 @@ def test_adapters_only_of_tensors_peft_derives_is_refused_at_stage_3(tmp_path):
         assert "SVDLinear" in result["errors"]["merged"]     # not merged as PEFT does
         assert result["written"] == []
     _assert_same_files(_adapter_files(sharded / "remedy"), peft_files)
+
+
+# a threshold of 0 shards every param; 64 keeps norms whole; the two
+# differ in units, so the models are read in different orders
+BLEND_LAYOUTS = {
+    "both sharded alike": {"policy": 0, "reference": 0},
+    "both sharded apart": {"policy": 0, "reference": 64},
+    "reference whole": {"policy": 64, "reference": None},
+    "policy whole": {"policy": None, "reference": 0},
+}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("layout", sorted(BLEND_LAYOUTS))
+def test_blend_params_moves_a_reference_model_as_trl_does_on_whole_copies(world_size, layout):
+    pytest.importorskip("trl")
+    for r in run_ranks(workers.blend, world_size, BLEND_LAYOUTS[layout], 0.3):
+        assert r["bitwise"] and r["changed"]
+        if BLEND_LAYOUTS[layout]["reference"] == 0:
+            assert r["local"] == 0         # placeholders alone: every param sharded
+        assert len(r["errors"]) == 4, r["errors"]
+        assert "lm_head.weight" in r["errors"][0] and "Nothing was changed" in r["errors"][0]
+        assert "differ in shape or dtype" in r["errors"][0]          # the untied vocab
+        assert "alpha" in r["errors"][2] and "alpha" in r["errors"][3]
+        assert r["unchanged_by_errors"]
+
+
+def test_accelerate_shards_a_model_prepared_for_evaluation_beside_a_stage3_optimizer():
+    pytest.importorskip("accelerate")
+    for r in run_ranks(workers.accelerate_reference, 2):
+        assert r["local"] == 0 and r["logits_equal"]      # placeholders alone, whole logits

@@ -87,3 +87,17 @@ def test_two_ranks_stage3_under_torchrun(tmp_path, kind, mode):
     assert len(result["losses"]) == 3 and all(math.isfinite(x) for x in result["losses"])
     assert all(result["changed"].values()), [n for n, c in result["changed"].items() if not c]
     assert set(result["placement"].values()) == {"host"}    # awake again after the last sleep
+
+
+def test_two_ranks_stage3_shard_and_sync_the_reference_and_reward_models(tmp_path):
+    """GRPO with a KL term: the reference and reward models TRL prepares are
+    sharded as the policy is, and sync_ref_model moves the sharded reference
+    as TRL's rule does on whole models, bit for bit."""
+    workers.policy().save_pretrained(tmp_path / "policy")
+    result = _torchrun(tmp_path, "reference-sync", "3", str(tmp_path / "policy"))
+    for kind in ("reference", "reward"):
+        # every unit sharded; whole only the params under the threshold (64)
+        assert result["local"][kind] < result["whole"][kind] / 10, (kind, result)
+    assert result["syncs"] == 3 and result["bitwise"]
+    assert len(result["kl"]) == 3 and all(math.isfinite(x) for x in result["kl"])
+    assert result["reward_logits_equal"]

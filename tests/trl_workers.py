@@ -124,6 +124,76 @@ def trainer_parity(stage, steps=3):
     return out
 
 
+def reward_model():
+    """A tiny sequence classifier for GRPO's reward, built from a config."""
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+    from examples.grpo_tiny import WORDS
+    torch.manual_seed(5)
+    return Qwen2ForSequenceClassification(Qwen2Config(
+        vocab_size=len(WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0))
+
+
+def reference_sync(path, steps, alpha=0.3):
+    """GRPO with a KL term at stage 3: TRL builds the reference model from
+    the policy's folder and moves it toward the policy after every step
+    (sync_ref_model); a reward model scores beside a reward function. The
+    policy is read after each step, to fold TRL's rule by hand."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    import rlhfz
+    from rlhfz.integrations.trainer import ZeroTrainerMixin
+    warnings.filterwarnings("ignore")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    policies = []
+
+    class ReadPolicy(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            policies.append({n: t.clone() for n, t in rlhfz.iter_full_params(model)})
+
+    args = GRPOConfig(output_dir=tempfile.mkdtemp(prefix="rlhfz-trl-"),
+                      per_device_train_batch_size=8 // world, num_generations=4,
+                      max_completion_length=6, max_steps=steps, logging_steps=1, report_to="none",
+                      bf16=False, fp16=False, use_cpu=True, save_strategy="no", beta=0.04,
+                      sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=alpha,
+                      learning_rate=1e-2, seed=0, ddp_backend="gloo" if world > 1 else None,
+                      dataloader_num_workers=0, disable_tqdm=True)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    opt = rlhfz.ZeroAdamW(model, lr=1e-2, weight_decay=0.0, stage=3,
+                          param_persistence_threshold=64)
+    cls = type("ZeroGRPOTrainer", (ZeroTrainerMixin, GRPOTrainer), {})
+    trainer = cls(model=model, reward_funcs=[reward_model(), reward_even_words], args=args,
+                  train_dataset=prompts(), processing_class=tokenizer(),
+                  reward_processing_classes=[tokenizer(), None], optimizers=(opt, None),
+                  callbacks=[ReadPolicy()])
+    reference, scorer = trainer.ref_model, trainer.reward_funcs[0]
+    local = {"reference": sum(p.numel() for p in reference.parameters()),
+             "reward": sum(p.numel() for p in scorer.parameters())}
+    trainer.train()
+    expected = {n: t.detach().clone() for n, t in
+                AutoModelForCausalLM.from_pretrained(path).named_parameters()}
+    for policy in policies:
+        for name, value in expected.items():
+            value.mul_(1.0 - alpha).add_(policy[name], alpha=alpha)
+    got = dict(rlhfz.iter_full_params(reference))
+    ids = torch.tensor([[4, 5, 6, 7, 8]])
+    with torch.no_grad():
+        scored, whole = scorer(input_ids=ids).logits, reward_model()(input_ids=ids).logits
+    out = {"local": local,
+           "whole": {"reference": sum(t.numel() for t in expected.values()),
+                     "reward": sum(p.numel() for p in reward_model().parameters())},
+           "syncs": len(policies),
+           "bitwise": sorted(got) == sorted(expected) and
+           all(torch.equal(got[n], expected[n]) for n in expected),
+           "kl": [h["kl"] for h in trainer.state.log_history if "kl" in h],
+           "reward_logits_equal": torch.equal(scored, whole)}
+    opt.close()
+    return out
+
+
 if __name__ == "__main__":
     import faulthandler
     faulthandler.dump_traceback_later(float(os.environ.get("RLHFZ_TEST_DUMP_AFTER", "240")),
@@ -131,6 +201,8 @@ if __name__ == "__main__":
     out_path, kind, steps, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     if kind == "trainer-parity":
         result = trainer_parity(stage=int(mode), steps=steps)
+    elif kind == "reference-sync":
+        result = reference_sync(mode, steps)
     else:
         result = train(kind, steps, "zero", gather=mode == "gather", stage=3, sleep=True)
     if int(os.environ.get("RANK", "0")) == 0:

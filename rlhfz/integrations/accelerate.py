@@ -6,15 +6,25 @@ twice. ZeroAccelerator is an Accelerator that leaves models whose params a
 ZeroAdamW owns unwrapped (still placed on the device, still under autocast),
 and sends clip_grad_norm_ to the optimizer, which knows where sharded grads
 are. Use it in place of Accelerator, or let ZeroTrainerMixin install it.
+
+Under a stage-3 ZeroAdamW across ranks, a model prepared in evaluation mode
+(TRL's reference and reward models) is sharded as the policy is, over the
+same ranks, units and threshold, as DeepSpeed's ZeRO-3 shards them: each
+rank keeps its part, and each forward gathers unit by unit. The optimizer
+is the one rlhfz_shard_like() names (ZeroTrainerMixin sets it: its
+trainer's), else the one stage-3 ZeroAdamW prepared with this accelerator.
 """
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 from accelerate import Accelerator
 
+from ..generation import unwrap_model
 from ..optim import owning_optimizer
+from ..sharding import shard_with, sharding_of_model
 from ..torch_grad_calls import one_owner
 
 
@@ -28,7 +38,31 @@ def zero_optimizer(optimizer):
     return optimizer if isinstance(optimizer, ZeroAdamW) else None
 
 
+def shard_like(model, optimizer) -> bool:
+    """Shards a model no optimizer trains over a stage-3 ZeroAdamW's ranks,
+    with its units and threshold; False where there is nothing to shard (a
+    model sharded already, or one on another device, with a warning)."""
+    inner = unwrap_model(model)
+    params = list(inner.parameters())
+    if optimizer.stage3 is None or not params or sharding_of_model(inner) is not None:
+        return False
+    devices = {p.device for p in params}
+    if devices != {optimizer.device}:
+        warnings.warn(f"{type(inner).__name__} stays whole on every rank: its params are on "
+                      f"{sorted(map(str, devices))}, the stage-3 optimizer's on "
+                      f"{optimizer.device}, and rlhfz shards a model on one device with it",
+                      stacklevel=3)
+        return False
+    shard_with(inner, optimizer.comm, optimizer.backend, optimizer.wrap,
+               optimizer.param_persistence_threshold, params)
+    return True
+
+
 class ZeroAcceleratorMixin:
+    # None, or a callable giving the ZeroAdamW whose sharding models prepared
+    # in evaluation mode take (None from it: they stay whole)
+    rlhfz_shard_like = None
+
     def prepare_model(self, model, device_placement=None, evaluation_mode=False):
         opt = owning_optimizer(model)
         if opt is not None and opt.stage >= 1:
@@ -38,8 +72,20 @@ class ZeroAcceleratorMixin:
             # that copies (cpu vs cpu:0 counts) would detach them.
             evaluation_mode = True
             device_placement = False
-        return super().prepare_model(model, device_placement=device_placement,
-                                     evaluation_mode=evaluation_mode)
+        prepared = super().prepare_model(model, device_placement=device_placement,
+                                         evaluation_mode=evaluation_mode)
+        if opt is None and evaluation_mode:
+            like = self._shard_like()
+            if like is not None:
+                # placed first: a sharded model refuses to move
+                shard_like(self.unwrap_model(prepared), like)
+        return prepared
+
+    def _shard_like(self):
+        if self.rlhfz_shard_like is not None:
+            return self.rlhfz_shard_like()
+        stage3 = [z for z in self._zero_optimizers() if z.stage3 is not None]
+        return stage3[0] if len(stage3) == 1 else None
 
     def get_state_dict(self, model, unwrap=True):
         state_dict = super().get_state_dict(model, unwrap=unwrap)

@@ -12,6 +12,11 @@ The mixin goes first among the bases. It:
   ds3_gather_for_generation is true and unit by unit when it is false;
 - with rlhfz_sleep=True, offloads the optimizer state (and grads) to host
   memory for the generation phase and reloads it before the update;
+- under stage 3 across ranks, shards the reference and reward models the
+  trainer prepares as the policy is sharded (rlhfz_shard_frozen=False keeps
+  them whole on every rank), and moves a sharded reference model toward the
+  policy (TRL's sync_ref_model) shard by shard, as TRL's callback would on
+  whole models;
 - saves and loads the optimizer with rlhfz's sharded checkpoints on every
   rank (the Trainer's own path calls state_dict() on one rank only), and the
   model's whole weights under stage 3.
@@ -22,9 +27,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 
 from ..generation import gather_for_generation, stage3_of
 from .accelerate import zero_accelerator_class, zero_optimizer
+from .trl import zero_sync_callbacks
 
 CHECKPOINT_DIR = "rlhfz_optimizer"
 SLEEP_KINDS = ("optimizer", "grads")
@@ -49,17 +56,29 @@ def sleeping(optimizer, what=SLEEP_KINDS, to="cpu", path=None):
 
 class ZeroTrainerMixin:
     def __init__(self, *args, rlhfz_sleep: bool = False, rlhfz_sleep_to: str = "cpu",
-                 rlhfz_sleep_path: str | None = None, **kwargs):
+                 rlhfz_sleep_path: str | None = None, rlhfz_shard_frozen: bool = True,
+                 **kwargs):
         self.rlhfz_sleep = bool(rlhfz_sleep)
         self.rlhfz_sleep_to = rlhfz_sleep_to
         self.rlhfz_sleep_path = rlhfz_sleep_path
+        self.rlhfz_shard_frozen = bool(rlhfz_shard_frozen)
         super().__init__(*args, **kwargs)
+        zero_sync_callbacks(self.callback_handler)
 
     # ---- the accelerator ----------------------------------------------------------------
 
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
         self.accelerator.__class__ = zero_accelerator_class(type(self.accelerator))
+        # the reference and reward models are prepared once the optimizer is
+        # known; weak, so the accelerator keeps no cycle through the trainer
+        trainer = weakref.ref(self)
+
+        def shard_like():
+            owner = trainer()
+            return owner.rlhfz_optimizer if owner is not None and owner.rlhfz_shard_frozen \
+                else None
+        self.accelerator.rlhfz_shard_like = shard_like
 
     @property
     def rlhfz_optimizer(self):

@@ -6,12 +6,46 @@ is off while it generates, gather_deepspeed3_params=True gathers the whole
 model for the context (False: stays sharded, gathered unit by unit), and
 generation_kwargs override the generation config for the context. Unlike
 TRL's, everything is restored when the block raises.
+
+zero_sync_callbacks(handler) gives TRL's SyncRefModelCallback (sync_ref_model)
+rlhfz's blend where either model is sharded: TRL's own mixes p.data param by
+param, which for a sharded param is an empty placeholder.
 """
 from __future__ import annotations
 
 import contextlib
 
-from ..generation import gather_for_generation, unwrap_model
+from ..generation import gather_for_generation, stage3_of, unwrap_model
+from ..model_state import blend_params
+
+
+def _sync_callback_class():
+    from trl.trainer.callbacks import SyncRefModelCallback
+
+    class ZeroSyncRefModelCallback(SyncRefModelCallback):
+        """TRL's SyncRefModelCallback; with a sharded policy or reference
+        model, the blend runs shard by shard on every rank."""
+
+        @staticmethod
+        def sync_target_model(model, target_model, alpha):
+            if stage3_of(model) is None and stage3_of(target_model) is None:
+                return SyncRefModelCallback.sync_target_model(model, target_model, alpha)
+            blend_params(target_model, model, alpha)
+
+    return SyncRefModelCallback, ZeroSyncRefModelCallback
+
+
+def zero_sync_callbacks(handler) -> None:
+    """TRL's SyncRefModelCallback among a Trainer's callbacks (its
+    CallbackHandler) replaced by one that can blend sharded models."""
+    try:
+        trl_class, zero_class = _sync_callback_class()
+    except ImportError:          # no TRL: no such callback
+        return
+    for i, callback in enumerate(handler.callbacks):
+        if type(callback) is trl_class:
+            handler.callbacks[i] = zero_class(ref_model=callback.ref_model,
+                                              accelerator=callback.accelerator)
 
 
 @contextlib.contextmanager
