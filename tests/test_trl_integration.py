@@ -101,3 +101,19 @@ def test_two_ranks_stage3_shard_and_sync_the_reference_and_reward_models(tmp_pat
     assert result["syncs"] == 3 and result["bitwise"]
     assert len(result["kl"]) == 3 and all(math.isfinite(x) for x in result["kl"])
     assert result["reward_logits_equal"]
+
+
+def test_two_ranks_stage3_lora_with_a_kl_term_matches_ddp(tmp_path):
+    """TRL copies a LoRA model's adapter into a frozen "ref" adapter at
+    init through p.data, an empty placeholder at stage 3: the trainer
+    gathers the model for its init, and training then follows DDP with
+    torch's AdamW."""
+    pytest.importorskip("peft")
+    zero = _torchrun(tmp_path, "peft-reference", "3", "zero")
+    plain = _torchrun(tmp_path, "peft-reference", "3", "torch")
+    assert sorted(zero["adapters"]) == sorted(plain["adapters"])
+    assert any(".ref." in name for name in zero["adapters"])        # the frozen copy
+    for name, value in plain["adapters"].items():
+        torch.testing.assert_close(zero["adapters"][name], value, atol=1e-6, rtol=0, msg=name)
+    assert len(zero["kl"]) == 3 and zero["kl"][-1] > 0
+    torch.testing.assert_close(zero["kl"], plain["kl"], atol=1e-6, rtol=1e-4)

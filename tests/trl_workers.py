@@ -194,6 +194,46 @@ def reference_sync(path, steps, alpha=0.3):
     return out
 
 
+def peft_reference(optimizer, steps):
+    """GRPO with a KL term on a LoRA model: TRL copies the trained adapter
+    into a frozen "ref" adapter at init, through p.data. optimizer: 'zero'
+    (stage 3) or 'torch' (DDP with torch's AdamW)."""
+    import tempfile
+
+    from peft import LoraConfig, get_peft_model
+    from trl import GRPOConfig, GRPOTrainer
+
+    import rlhfz
+    from rlhfz.integrations.trainer import ZeroTrainerMixin
+    warnings.filterwarnings("ignore")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    model = get_peft_model(policy(), LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM",
+                                                target_modules=["q_proj", "v_proj"],
+                                                init_lora_weights=False))
+    args = GRPOConfig(output_dir=tempfile.mkdtemp(prefix="rlhfz-trl-"),
+                      per_device_train_batch_size=8 // world, num_generations=4,
+                      max_completion_length=6, max_steps=steps, logging_steps=1, report_to="none",
+                      bf16=False, fp16=False, use_cpu=True, save_strategy="no", beta=0.04,
+                      learning_rate=1e-2, seed=0, ddp_backend="gloo" if world > 1 else None,
+                      dataloader_num_workers=0, disable_tqdm=True)
+    if optimizer == "zero":
+        opt = rlhfz.ZeroAdamW(model, lr=1e-2, weight_decay=0.0, stage=3,
+                              param_persistence_threshold=64)
+        cls = type("ZeroGRPOTrainer", (ZeroTrainerMixin, GRPOTrainer), {})
+    else:
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2,
+                                weight_decay=0.0)
+        cls = GRPOTrainer
+    trainer = cls(model=model, reward_funcs=reward_even_words, args=args,
+                  train_dataset=prompts(), processing_class=tokenizer(), optimizers=(opt, None))
+    trainer.train()
+    out = {"adapters": {n: t.clone() for n, t in rlhfz.iter_full_params(model) if "lora_" in n},
+           "kl": [h["kl"] for h in trainer.state.log_history if "kl" in h]}
+    if optimizer == "zero":
+        opt.close()
+    return out
+
+
 if __name__ == "__main__":
     import faulthandler
     faulthandler.dump_traceback_later(float(os.environ.get("RLHFZ_TEST_DUMP_AFTER", "240")),
@@ -203,6 +243,8 @@ if __name__ == "__main__":
         result = trainer_parity(stage=int(mode), steps=steps)
     elif kind == "reference-sync":
         result = reference_sync(mode, steps)
+    elif kind == "peft-reference":
+        result = peft_reference(mode, steps)
     else:
         result = train(kind, steps, "zero", gather=mode == "gather", stage=3, sleep=True)
     if int(os.environ.get("RANK", "0")) == 0:

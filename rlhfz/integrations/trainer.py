@@ -16,7 +16,8 @@ The mixin goes first among the bases. It:
   trainer prepares as the policy is sharded (rlhfz_shard_frozen=False keeps
   them whole on every rank), and moves a sharded reference model toward the
   policy (TRL's sync_ref_model) shard by shard, as TRL's callback would on
-  whole models;
+  whole models; a LoRA model with a KL term is whole for the trainer's init,
+  where TRL copies its adapter into a "ref" one through p.data;
 - saves and loads the optimizer with rlhfz's sharded checkpoints on every
   rank (the Trainer's own path calls state_dict() on one rank only), and the
   model's whole weights under stage 3.
@@ -54,6 +55,18 @@ def sleeping(optimizer, what=SLEEP_KINDS, to="cpu", path=None):
         opt.reload()
 
 
+def _whole_for_trl_init(model, args):
+    """The model gathered whole where TRL's init writes into its params: a
+    PEFT model with a KL term gets a frozen "ref" adapter copied from the
+    trained one through p.data, an empty placeholder under stage 3. The
+    copies land in the new, whole adapter; the context leaves the rest as
+    it was."""
+    peft = model is not None and hasattr(model, "peft_config") and hasattr(model, "add_adapter")
+    if not peft or stage3_of(model) is None or not getattr(args, "beta", 0.0):
+        return contextlib.nullcontext()
+    return gather_for_generation(model)
+
+
 class ZeroTrainerMixin:
     def __init__(self, *args, rlhfz_sleep: bool = False, rlhfz_sleep_to: str = "cpu",
                  rlhfz_sleep_path: str | None = None, rlhfz_shard_frozen: bool = True,
@@ -62,7 +75,9 @@ class ZeroTrainerMixin:
         self.rlhfz_sleep_to = rlhfz_sleep_to
         self.rlhfz_sleep_path = rlhfz_sleep_path
         self.rlhfz_shard_frozen = bool(rlhfz_shard_frozen)
-        super().__init__(*args, **kwargs)
+        model = kwargs.get("model", args[0] if args else None)
+        with _whole_for_trl_init(model, kwargs.get("args")):
+            super().__init__(*args, **kwargs)
         zero_sync_callbacks(self.callback_handler)
 
     # ---- the accelerator ----------------------------------------------------------------
