@@ -1,7 +1,8 @@
-"""ZeroAdamW in TRL's GRPOTrainer and RLOOTrainer (trl 1.13), end to end on
-the CPU: one process at stage 2 against torch.optim.AdamW, and stage 3 on
-two gloo ranks under torchrun, gathering the whole model for generation or
-staying sharded."""
+"""ZeroAdamW in TRL's GRPOTrainer, RLOOTrainer and DPOTrainer (trl 1.13),
+end to end on the CPU: one process at stage 2 against torch.optim.AdamW,
+and stage 3 on two gloo ranks under torchrun, gathering the whole model for
+generation or staying sharded, with reference and reward models sharded
+beside the policy."""
 import math
 import os
 import socket
@@ -117,3 +118,25 @@ def test_two_ranks_stage3_lora_with_a_kl_term_matches_ddp(tmp_path):
         torch.testing.assert_close(zero["adapters"][name], value, atol=1e-6, rtol=0, msg=name)
     assert len(zero["kl"]) == 3 and zero["kl"][-1] > 0
     torch.testing.assert_close(zero["kl"], plain["kl"], atol=1e-6, rtol=1e-4)
+
+
+def _relative(mine: dict, theirs: dict) -> float:
+    names = sorted(theirs)
+    a = torch.cat([mine[n].reshape(-1) for n in names])
+    b = torch.cat([theirs[n].reshape(-1) for n in names])
+    return float((a - b).norm() / b.norm())
+
+
+def test_two_ranks_stage3_dpo_with_a_synced_reference_matches_ddp(tmp_path):
+    """DPOTrainer builds its reference model from the policy's folder and
+    moves it toward the policy every step: sharded at stage 3, both models
+    end where DDP with torch's AdamW and whole models ends."""
+    workers.policy().save_pretrained(tmp_path / "policy")
+    zero = _torchrun(tmp_path, "dpo", "3", f"zero:{tmp_path / 'policy'}")
+    plain = _torchrun(tmp_path, "dpo", "3", f"torch:{tmp_path / 'policy'}")
+    whole = sum(t.numel() for t in plain["reference"].values())
+    assert zero["reference_local"] < whole / 10                # sharded
+    for kind in ("policy", "reference"):
+        assert sorted(zero[kind]) == sorted(plain[kind])
+        assert _relative(zero[kind], plain[kind]) <= 1e-5, kind
+    torch.testing.assert_close(zero["losses"], plain["losses"], atol=1e-5, rtol=0)

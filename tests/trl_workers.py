@@ -234,6 +234,50 @@ def peft_reference(optimizer, steps):
     return out
 
 
+def dpo(optimizer, path, steps):
+    """TRL's DPOTrainer with the reference model it builds from the
+    policy's folder, moved toward the policy after every step
+    (sync_ref_model). optimizer: 'zero' (stage 3) or 'torch' (DDP with
+    torch's AdamW). The policy's and the reference's final params."""
+    import tempfile
+
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import DPOConfig, DPOTrainer
+
+    import rlhfz
+    from rlhfz.integrations.trainer import ZeroTrainerMixin
+    warnings.filterwarnings("ignore")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    pairs = Dataset.from_dict({"prompt": [f"w{i} w{i + 1}" for i in range(16)],
+                               "chosen": [f" w{2 * i % 60}" for i in range(16)],
+                               "rejected": [f" w{(2 * i + 1) % 60}" for i in range(16)]})
+    args = DPOConfig(output_dir=tempfile.mkdtemp(prefix="rlhfz-trl-"),
+                     per_device_train_batch_size=8 // world, max_steps=steps, logging_steps=1,
+                     report_to="none", bf16=False, fp16=False, use_cpu=True, save_strategy="no",
+                     learning_rate=1e-2, seed=0, sync_ref_model=True, ref_model_sync_steps=1,
+                     ddp_backend="gloo" if world > 1 else None, dataloader_num_workers=0,
+                     disable_tqdm=True)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    if optimizer == "zero":
+        opt = rlhfz.ZeroAdamW(model, lr=1e-2, weight_decay=0.0, stage=3,
+                              param_persistence_threshold=64)
+        cls = type("ZeroDPOTrainer", (ZeroTrainerMixin, DPOTrainer), {})
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+        cls = DPOTrainer
+    trainer = cls(model=model, args=args, train_dataset=pairs, processing_class=tokenizer(),
+                  optimizers=(opt, None))
+    trainer.train()
+    out = {"policy": {n: t.clone() for n, t in rlhfz.iter_full_params(model)},
+           "reference": {n: t.clone() for n, t in rlhfz.iter_full_params(trainer.ref_model)},
+           "reference_local": sum(p.numel() for p in trainer.ref_model.parameters()),
+           "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h]}
+    if optimizer == "zero":
+        opt.close()
+    return out
+
+
 if __name__ == "__main__":
     import faulthandler
     faulthandler.dump_traceback_later(float(os.environ.get("RLHFZ_TEST_DUMP_AFTER", "240")),
@@ -245,6 +289,9 @@ if __name__ == "__main__":
         result = reference_sync(mode, steps)
     elif kind == "peft-reference":
         result = peft_reference(mode, steps)
+    elif kind == "dpo":
+        optimizer_kind, _, path = mode.partition(":")
+        result = dpo(optimizer_kind, path, steps)
     else:
         result = train(kind, steps, "zero", gather=mode == "gather", stage=3, sleep=True)
     if int(os.environ.get("RANK", "0")) == 0:
