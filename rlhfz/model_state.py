@@ -46,21 +46,29 @@ def blend_params(target, source, alpha: float, *, bucket_bytes: int = 256 << 20)
     """target's params <- (1 - alpha) * target + alpha * source, name by
     name in the target's dtype, as TRL's SyncRefModelCallback moves a
     reference model toward the policy (the same operations, so the same
-    bits). Either model may be sharded at stage 3 across ranks, and then
-    this is a collective that every rank calls: both are read a few units at
-    a time (iter_full_params) and the target written through its
-    load_state_dict, so no rank holds either model whole. The models must
-    have the same param names, whole shapes and dtypes: otherwise
-    ValueError, and nothing changed."""
+    bits). Either model may be sharded at stage 3 across ranks; every rank
+    calls it then. Where each rank holds the source's elements of its own
+    target shard (both sharded alike over the same ranks, as a trainer
+    shards a reference model beside its policy, or the source whole), each
+    rank blends its shard in place and nothing crosses ranks. Otherwise it
+    is a collective: both are read a few units at a time (iter_full_params)
+    and the target written through its load_state_dict, so no rank holds
+    either model whole. The models must have the same param names, whole
+    shapes and dtypes: otherwise ValueError, and nothing changed."""
     alpha = float(alpha)
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be within [0, 1], not {alpha}")
     if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be an int > 0, not {bucket_bytes!r}")
     target_record, target_inner = unwrapped(target)
-    _, source_inner = unwrapped(source)
+    source_record, source_inner = unwrapped(source)
     _check_alike(_param_specs(target), _param_specs(source))
     with torch.no_grad():
+        parts = _local_parts(target_record, target_inner, source_record, source_inner)
+        if parts is not None:
+            for mine, theirs in parts:
+                mine.mul_(1.0 - alpha).add_(theirs.to(mine.device), alpha=alpha)
+            return
         if target_record is None or target_record.stage3 is None:
             params = dict(target_inner.named_parameters())
             for name, value in iter_full_params(source, bucket_bytes):
@@ -84,6 +92,55 @@ def blend_params(target, source, alpha: float, *, bucket_bytes: int = 256 << 20)
                 ready, size = {}, 0
         if ready:
             target_inner.load_state_dict(ready, strict=False)
+
+
+def _stage3_record(record):
+    return record if record is not None and record.stage3 is not None else None
+
+
+def _local_parts(target_record, target_inner, source_record, source_inner):
+    """[(the target's values this rank holds, the source's same elements)]
+    when every rank holds the source elements its target part needs: both
+    sharded over the same ranks with each param at the same place in its
+    bucket, or the source whole. None when some rank would need another's
+    (a collective blend); the answer is the same on every rank, since
+    layouts are."""
+    target_record, source_record = _stage3_record(target_record), _stage3_record(source_record)
+    if target_record is None:
+        return None
+    if source_record is not None and \
+            source_record.comm.shard_ranks != target_record.comm.shard_ranks:
+        return None
+    target_slots = target_record.sharded_slots()
+    source_slots = source_record.sharded_slots() if source_record is not None else {}
+    held = [b for b, _ in list(target_slots.values()) + list(source_slots.values())]
+    if any(b.gathered is not None for b in held):
+        return None          # whole copies in use: written through, not around
+    sources = dict(source_inner.named_parameters())
+    parts = []
+    for name, mine in target_inner.named_parameters():
+        theirs = sources[name]
+        if id(mine) not in target_slots:
+            if id(theirs) in source_slots:
+                return None  # whole here, sharded there
+            parts.append((mine.data, theirs.data))
+            continue
+        bucket, index = target_slots[id(mine)]
+        if id(theirs) not in source_slots:
+            parts.append((bucket.param_shard_part(index),
+                          bucket.shard.part_of(index, theirs.data.reshape(-1))))
+            continue
+        other, other_index = source_slots[id(theirs)]
+        if _place(bucket, index) != _place(other, other_index):
+            return None
+        parts.append((bucket.param_shard_part(index), other.param_shard_part(other_index)))
+    return parts
+
+
+def _place(bucket, index: int) -> tuple:
+    """What fixes which elements of a param each rank holds."""
+    slot = bucket.layout.slots[index]
+    return slot.offset, slot.numel, bucket.layout.shard_numel, bucket.layout.world_size
 
 
 def _param_specs(model) -> dict[str, tuple]:

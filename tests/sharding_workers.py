@@ -480,12 +480,16 @@ def blend(rank, world_size, layout, alpha):
         rlhfz.shard_model(reference, param_persistence_threshold=layout["reference"])
     before = rlhfz.full_state_dict(reference, rank0_only=False)
     expected = _trl_blend(before, rlhfz.full_state_dict(policy, rank0_only=False), alpha)
+    comms = [opt.comm] + ([rlhfz.sharding.sharding_of_model(reference).comm]
+                          if layout["reference"] is not None else [])
+    sent = sum(sum(c.traffic.values()) for c in comms)
     blend_params(reference, policy, alpha, bucket_bytes=4096)
+    sent = sum(sum(c.traffic.values()) for c in comms) - sent
     after = rlhfz.full_state_dict(reference, rank0_only=False)
     out = {"bitwise": sorted(after) == sorted(expected) and
            all(torch.equal(after[k], expected[k]) for k in expected),
            "changed": not all(torch.equal(after[k], before[k]) for k in before),
-           "local": sum(p.numel() for p in reference.parameters()),
+           "local": sum(p.numel() for p in reference.parameters()), "sent": sent,
            "whole": sum(t.numel() for k, t in after.items() if k != "lm_head.weight")}
     errors = []
     for other in ("llama-untied", "gpt2"):
@@ -519,5 +523,15 @@ def accelerate_reference(rank, world_size):
     with torch.no_grad():
         same = torch.equal(reference(ids).logits, tiny_lm("llama", seed=2)(ids).logits)
     out = {"local": sum(p.numel() for p in reference.parameters()), "logits_equal": same}
+    # sharded alike, so TRL's sync blends each rank's shard with nothing sent
+    train(policy, opt, rank, world_size, 1, clip=False)
+    expected = _trl_blend(rlhfz.full_state_dict(reference, rank0_only=False),
+                          rlhfz.full_state_dict(policy, rank0_only=False), 0.6)
+    sent = sum(opt.comm.traffic.values())
+    from rlhfz.model_state import blend_params
+    blend_params(reference, policy, 0.6)
+    out["blend_sent"] = sum(opt.comm.traffic.values()) - sent
+    after = rlhfz.full_state_dict(reference, rank0_only=False)
+    out["blend_bitwise"] = all(torch.equal(after[k], v) for k, v in expected.items())
     opt.close()
     return out

@@ -444,12 +444,13 @@ def test_adapters_only_of_tensors_peft_derives_is_refused_at_stage_3(tmp_path):
 
 
 # a threshold of 0 shards every param; 64 keeps norms whole; the two
-# differ in units, so the models are read in different orders
+# differ in units, so the models are read in different orders. Alike, or
+# with the policy whole, each rank blends its own shard and sends nothing.
 BLEND_LAYOUTS = {
-    "both sharded alike": {"policy": 0, "reference": 0},
-    "both sharded apart": {"policy": 0, "reference": 64},
-    "reference whole": {"policy": 64, "reference": None},
-    "policy whole": {"policy": None, "reference": 0},
+    "both sharded alike": {"policy": 0, "reference": 0, "local": True},
+    "both sharded apart": {"policy": 0, "reference": 64, "local": False},
+    "reference whole": {"policy": 64, "reference": None, "local": False},
+    "policy whole": {"policy": None, "reference": 0, "local": True},
 }
 
 
@@ -459,6 +460,7 @@ def test_blend_params_moves_a_reference_model_as_trl_does_on_whole_copies(world_
     pytest.importorskip("trl")
     for r in run_ranks(workers.blend, world_size, BLEND_LAYOUTS[layout], 0.3):
         assert r["bitwise"] and r["changed"]
+        assert (r["sent"] == 0) == BLEND_LAYOUTS[layout]["local"], r["sent"]
         if BLEND_LAYOUTS[layout]["reference"] == 0:
             assert r["local"] == 0         # placeholders alone: every param sharded
         assert len(r["errors"]) == 4, r["errors"]
@@ -472,3 +474,4 @@ def test_accelerate_shards_a_model_prepared_for_evaluation_beside_a_stage3_optim
     pytest.importorskip("accelerate")
     for r in run_ranks(workers.accelerate_reference, 2):
         assert r["local"] == 0 and r["logits_equal"]      # placeholders alone, whole logits
+        assert r["blend_bitwise"] and r["blend_sent"] == 0
