@@ -523,6 +523,11 @@ def accelerate_reference(rank, world_size):
     with torch.no_grad():
         same = torch.equal(reference(ids).logits, tiny_lm("llama", seed=2)(ids).logits)
     out = {"local": sum(p.numel() for p in reference.parameters()), "logits_equal": same}
+    # what ZeroTrainerMixin(rlhfz_shard_frozen=False) sets: whole on every rank
+    accelerator.rlhfz_shard_like = lambda: None
+    kept = accelerator.prepare_model(tiny_lm("llama", seed=3), evaluation_mode=True)
+    out["kept_whole"] = sum(p.numel() for p in kept.parameters()) == \
+        sum(p.numel() for p in tiny_lm("llama", seed=3).parameters())
     # sharded alike, so TRL's sync blends each rank's shard with nothing sent
     train(policy, opt, rank, world_size, 1, clip=False)
     expected = _trl_blend(rlhfz.full_state_dict(reference, rank0_only=False),
