@@ -499,15 +499,24 @@ class ZeroAdamW(Optimizer):
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
-                        error_if_nonfinite: bool = False, foreach=None) -> torch.Tensor:
+                        error_if_nonfinite: bool = False, foreach=None,
+                        params=None) -> torch.Tensor:
         """Scale all grads so their global norm is at most max_norm; returns
         the norm before clipping, as torch.nn.utils.clip_grad_norm_ does
-        (norm_type: any p > 0, or inf; foreach is accepted and changes nothing)."""
+        (norm_type: any p > 0, or inf; foreach is accepted and changes nothing).
+        params: some of this optimizer's params, to take the norm of and
+        clip those alone, as torch's over them would (a collective at stages
+        2 and 3 across ranks, as the whole clip is)."""
+        ids = self._own_ids(params, "clip_grad_norm_")
         self.synchronize()
         self._follow_moved_params()
         norm_type, max_norm = float(norm_type), float(max_norm)
         plans = self.engine.plan("clip_grad_norm_")
+        if ids is not None:
+            plans = self.engine.restrict(plans, ids)
         total = self.engine.norm(plans, norm_type)
+        if ids is not None:
+            self.engine.grads_changed()     # the sum of squares just taken is of some grads
         # torch sums |g|**p in fp32 (also for 16-bit grads): past fp32's
         # range its norm is inf, which zeroes the grads or raises below
         if math.isfinite(norm_type) and total > 0 and \
@@ -523,8 +532,20 @@ class ZeroAdamW(Optimizer):
         dtypes = {p.bucket.dtype for p in plans if any(p.present)}
         dtype = functools.reduce(torch.promote_types, dtypes) if dtypes else torch.float32
         self.engine.clip(plans, total, max_norm, dtype,
-                         sumsq=total * total if norm_type == 2.0 else None)
+                         sumsq=total * total if norm_type == 2.0 else None,
+                         part=ids is not None)
         return torch.tensor(total, dtype=dtype, device=self.device)
+
+    def _own_ids(self, params, call: str) -> set | None:
+        """ids of `params` (None: all), which must be this optimizer's."""
+        if params is None:
+            return None
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        owned = {id(p) for group in self.param_groups for p in group["params"]}
+        if any(id(p) not in owned for p in params):
+            raise ValueError(f"{call}(params=...) takes this optimizer's params only; clip "
+                             f"others with torch.nn.utils.{call}")
+        return {id(p) for p in params}
 
     @torch.no_grad()
     def clip_grad_value_(self, clip_value: float, foreach=None, params=None) -> None:
@@ -536,10 +557,7 @@ class ZeroAdamW(Optimizer):
         clip_value = float(clip_value)
         if params is not None:
             params = [params] if isinstance(params, torch.Tensor) else list(params)
-            owned = {id(p) for group in self.param_groups for p in group["params"]}
-            if any(id(p) not in owned for p in params):
-                raise ValueError("clip_grad_value_(params=...) takes this optimizer's params "
-                                 "only; clip others with torch.nn.utils.clip_grad_value_")
+        ids = self._own_ids(params, "clip_grad_value_")
         if self.reducer is None:
             # p.grad holds every grad (at stage 1 the mean): torch's own clamps it
             chosen = params if params is not None else \
@@ -549,8 +567,7 @@ class ZeroAdamW(Optimizer):
         self.synchronize()
         self._follow_moved_params()
         plans = self.engine.plan("clip_grad_value_")
-        self.engine.clamp_grads(plans, clip_value,
-                                None if params is None else {id(p) for p in params})
+        self.engine.clamp_grads(plans, clip_value, ids)
 
     # torch.amp.GradScaler hands itself to step() (grad_scaler=), because
     # only the optimizer knows where sharded grads are: it unscales them

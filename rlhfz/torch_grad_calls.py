@@ -7,9 +7,10 @@ the step would take unclipped grads; the scaler's unscale_ would unscale
 nothing, and a clip after it would measure scaled grads. So these are
 wrapped, once, when the first such optimizer is built (as Module.zero_grad
 is, module_zero_grad.py):
-- clip_grad_norm_ over exactly one such optimizer's params clips its
-  shards, as its own clip_grad_norm_ does; over part of its params, or
-  several optimizers' together, it is refused with what to do instead;
+- clip_grad_norm_ over one such optimizer's params (all or some of them)
+  clips its shards, as its own clip_grad_norm_(params=...) does; over
+  several optimizers' together, or beside other grads, it is refused with
+  what to do instead;
 - clip_grad_value_ clamps any of such an optimizer's params in its shards;
 - GradScaler.unscale_ given such an optimizer calls its unscale_(scaler).
 Everything else goes to torch's own. torch's clip_grad_norm_ itself, where
@@ -65,11 +66,11 @@ def _wrap_torch() -> None:
 
 
 def one_owner(parameters: list, optimizers, call: str):
-    """The one optimizer among `optimizers` whose params are among
-    `parameters`, or None when none is. ValueError when the clip would need
-    part of an optimizer's params, or several optimizers' together, or
-    grads of params outside them beside them: one norm over all of an
-    optimizer's params is all its shards can give."""
+    """(the one optimizer among `optimizers` whose params are among
+    `parameters`, and those params where they are part of its own only, else
+    None), or (None, None) when none is. ValueError when the clip would need
+    several optimizers' params together, or grads of params outside them
+    beside them: one optimizer's shards give one norm at a time."""
     ids = {id(p) for p in parameters}
     owners = []
     for opt in optimizers:
@@ -77,19 +78,20 @@ def one_owner(parameters: list, optimizers, call: str):
         if owned & ids:
             owners.append((opt, owned))
     if not owners:
-        return None
+        return None, None
     owned = set().union(*(o for _, o in owners))
     others = [p for p in parameters if id(p) not in owned and p.grad is not None]
-    if len(owners) > 1 or not owners[0][1] <= ids or others:
+    if len(owners) > 1 or others:
         what = ("several optimizers' together" if len(owners) > 1 else
-                "a ZeroAdamW's params and other params' grads together" if others else
-                "part of a ZeroAdamW's params")
+                "a ZeroAdamW's params and other params' grads together")
         raise ValueError(
             f"{call} over these parameters would need the norm of {what}, but a ZeroAdamW "
-            f"takes one norm over all of its own params (its grads are sharded). Pass exactly "
-            f"one ZeroAdamW's params (model.parameters() when it trains the model), or clip "
-            f"each optimizer with its own clip_grad_norm_")
-    return owners[0][0]
+            f"takes the norm of its own params only (its grads are sharded). Clip each "
+            f"optimizer's params with its own call (or its clip_grad_norm_), and other grads "
+            f"apart")
+    opt, mine = owners[0]
+    part = None if mine <= ids else [p for p in parameters if id(p) in mine]
+    return opt, part
 
 
 def _sharded_owners(parameters: list) -> tuple[list, list]:
@@ -122,8 +124,9 @@ def _clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fal
     if not owners:
         return _TORCH["clip_grad_norm_"](parameters, max_norm, norm_type,
                                          error_if_nonfinite, foreach)
-    opt = one_owner(parameters, [opt for opt, _ in owners], "torch.nn.utils.clip_grad_norm_")
-    return opt.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite, foreach)
+    opt, part = one_owner(parameters, [opt for opt, _ in owners],
+                          "torch.nn.utils.clip_grad_norm_")
+    return opt.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite, foreach, params=part)
 
 
 def _clip_grad_value_(parameters, clip_value, foreach=None):

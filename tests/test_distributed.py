@@ -521,7 +521,6 @@ def test_torch_clips_reach_the_grads_in_the_shards(world_size, stage):
         # Adam turns fp32 rounding in grads near eps into ~1e-6 (lr 1e-3);
         # grads that were not clipped differ by ~4e-4
         assert result["diff"] < 5e-6, result
-        assert "part of a ZeroAdamW's params" in result["refused"]
         assert "other params' grads together" in result["refused_beside"]
         assert all("Nothing was clipped" in str(error) for error in result["early"]), result["early"]
         assert result["looks"] == [

@@ -255,6 +255,25 @@ def test_clip_grad_value_matches_torch_on_all_or_some_params():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
 
 
+@pytest.mark.parametrize("norm_type", [2.0, float("inf"), 1.5])
+def test_clip_grad_norm_over_some_params_matches_torch(norm_type):
+    """torch's clip over a layer measures and scales that layer alone; the
+    whole clip after it sees the part already scaled."""
+    model, opt, ref, ref_opt = _pair_with_large_grads()
+    ours = opt.clip_grad_norm_(0.5, norm_type, params=model[2].parameters())
+    theirs = torch.nn.utils.clip_grad_norm_(ref[2].parameters(), 0.5, norm_type)
+    assert float(ours) == pytest.approx(float(theirs), rel=1e-6) and float(theirs) > 0.5
+    for a, b in zip(model[0].parameters(), ref[0].parameters()):
+        assert torch.equal(a.grad, b.grad)              # the rest untouched
+    ours = opt.clip_grad_norm_(1.0, norm_type)
+    theirs = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0, norm_type)
+    assert float(ours) == pytest.approx(float(theirs), rel=1e-6)
+    opt.step()
+    ref_opt.step()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
+
+
 def test_clip_grad_value_refuses_params_of_another_optimizer():
     model = _model()
     opt = rlhfz.ZeroAdamW(model[0].parameters(), lr=1e-3)
@@ -262,6 +281,8 @@ def test_clip_grad_value_refuses_params_of_another_optimizer():
     before = [p.grad.clone() for p in model.parameters()]
     with pytest.raises(ValueError, match="this optimizer's params only"):
         opt.clip_grad_value_(1e-6, params=model.parameters())
+    with pytest.raises(ValueError, match="this optimizer's params only"):
+        opt.clip_grad_norm_(1e-6, params=model.parameters())
     assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before))
 
 

@@ -38,6 +38,16 @@ class BucketPlan:
     segments: list[tuple[int, int, int, int]]   # (start, stop, lo, hi): runs in shard elements
 
 
+def _bucket_plan(bucket, present: list[bool]) -> BucketPlan:
+    runs = _segment_ranges(present, bucket.steps.tolist())
+    segments = []
+    for start, stop in runs:
+        span = bucket.shard.element_range(start, stop)
+        if span is not None:
+            segments.append((start, stop) + span)
+    return BucketPlan(bucket, present, runs, segments)
+
+
 def _segment_ranges(present: list[bool], steps: list[float]) -> list[tuple[int, int]]:
     """Runs of consecutive params that have a grad and share a step count:
     each run is one kernel call (one per bucket when every param has a grad)."""
@@ -275,16 +285,15 @@ class ShardEngine:
             presence = self._agree_presence(presence, call)
             if self.reducer is None:
                 self._reduce_grads(presence)
-        plans = []
-        for bucket, present in zip(self.buckets, presence):
-            runs = _segment_ranges(present, bucket.steps.tolist())
-            segments = []
-            for start, stop in runs:
-                span = bucket.shard.element_range(start, stop)
-                if span is not None:
-                    segments.append((start, stop) + span)
-            plans.append(BucketPlan(bucket, present, runs, segments))
-        return plans
+        return [_bucket_plan(bucket, present) for bucket, present in zip(self.buckets, presence)]
+
+    @staticmethod
+    def restrict(plans, ids: set) -> list[BucketPlan]:
+        """The plans cut down to the params whose id is in ids (a clip over
+        some of the params)."""
+        return [_bucket_plan(plan.bucket, [has and id(p) in ids for has, p in
+                                           zip(plan.present, plan.bucket.params)])
+                for plan in plans]
 
     def _grad_arrived(self, bucket: Bucket, index: int, param: torch.Tensor) -> None:
         """Stage 1 across ranks: the grad goes into its bucket, and the
@@ -439,15 +448,23 @@ class ShardEngine:
         return local ** (1.0 / norm_type)
 
     def clip(self, plans, total: float, max_norm: float, dtype: torch.dtype,
-             sumsq: float | None = None) -> None:
+             sumsq: float | None = None, part: bool = False) -> None:
         """Scales grads of global norm `total` as torch.nn.utils.clip_grad_norm_
         does: by max_norm / (total + 1e-6), at most 1, computed in the norm's
         dtype (the grads' promoted one). A NaN norm makes every grad NaN and
         an infinite one zeroes them (an Inf grad becomes NaN), as in torch.
-        sumsq: the grads' sum of squares (of a 2-norm), or None."""
+        sumsq: the grads' sum of squares (of a 2-norm), or None. part: the
+        plans cover some params only (restrict), so they are scaled now,
+        since the step's factor is for every grad."""
         self.clipped = True
         norm = torch.tensor(total, dtype=dtype)
         coef = float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        if part:
+            self.settle_grads()
+            if not coef >= 1.0:
+                self._scale_views(plans, coef)
+            self.grads_changed()     # the others' grads were never checked
+            return
         if coef < 1.0 and self.reducer is not None and math.isfinite(total):
             # Only rlhfz reads these grads (param.grad is None): the step
             # multiplies by coef as it reads them, which saves a pass that

@@ -131,12 +131,12 @@ class ZeroAcceleratorMixin:
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        opt = one_owner(parameters, self._zero_optimizers(), "clip_grad_norm_")
+        opt, part = one_owner(parameters, self._zero_optimizers(), "clip_grad_norm_")
         if opt is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
         if getattr(self, "scaler", None) is not None:
             self.unscale_gradients(opt)
-        return opt.clip_grad_norm_(max_norm, norm_type)
+        return opt.clip_grad_norm_(max_norm, norm_type, params=part)
 
 
 def _view_key(tensor: torch.Tensor) -> tuple:
