@@ -13,10 +13,14 @@ is, module_zero_grad.py):
   what to do instead;
 - clip_grad_value_ clamps any of such an optimizer's params in its shards;
 - GradScaler.unscale_ given such an optimizer calls its unscale_(scaler).
-Everything else goes to torch's own. torch's clip_grad_norm_ itself, where
-code bound it before, cannot be reached: a call of it over such params is
-refused. A bound scaler.unscale_ taken before keeps torch's too: the step
-then refuses the clip after it (ZeroAdamW._scaler_unscale).
+Everything else goes to torch's own. The clips are redirected inside
+torch's own function objects, so code that bound them before (`from
+torch.nn.utils import clip_grad_norm_`) reaches these too; where torch's
+are not built so, only the names are rebound, and torch's clip_grad_norm_
+bound before is refused over such params (as clip_grads_with_norm_ always
+is, given a norm taken without them). A bound scaler.unscale_ taken before
+keeps torch's: the step then refuses the clip after it
+(ZeroAdamW._scaler_unscale).
 """
 from __future__ import annotations
 
@@ -45,15 +49,19 @@ def unwatch(optimizer) -> None:
 def _wrap_torch() -> None:
     for name, wrapper in (("clip_grad_norm_", _clip_grad_norm_),
                           ("clip_grad_value_", _clip_grad_value_)):
-        original = getattr(torch_clip_grad, name)
-        _TORCH[name] = original
-        wrapped = functools.wraps(original)(wrapper)
+        function = getattr(torch_clip_grad, name)
+        inner = _redirect(function, wrapper)
+        if inner is not None:
+            _TORCH[name] = inner
+            continue
+        _TORCH[name] = function
+        wrapped = functools.wraps(function)(wrapper)
         # both names: torch.nn.utils re-exports them, and the deprecated
         # clip_grad_norm looks clip_grad_norm_ up in its own module
         setattr(torch_clip_grad, name, wrapped)
         setattr(torch.nn.utils, name, wrapped)
-    # torch's clip_grad_norm_ as bound before (`from torch.nn.utils import
-    # clip_grad_norm_`), and clip_grads_with_norm_, scale through this one
+    # torch's clip_grad_norm_ where it could not be redirected and was bound
+    # before, and clip_grads_with_norm_, scale through this one
     scale = getattr(torch_clip_grad, "_clip_grads_with_norm_", None)
     if scale is not None:
         _TORCH["scale"] = scale
@@ -63,6 +71,24 @@ def _wrap_torch() -> None:
             torch.nn.utils.clip_grads_with_norm_ = guard      # its public name
     _TORCH["unscale_"] = torch.amp.GradScaler.unscale_
     torch.amp.GradScaler.unscale_ = functools.wraps(_TORCH["unscale_"])(_unscale_)
+
+
+def _redirect(function, wrapper):
+    """torch's function itself pointed at wrapper, so that references bound
+    before (`from torch.nn.utils import clip_grad_value_` at a script's top)
+    reach it too: torch builds each clip as a no_grad shell that calls its
+    body from a closure cell, and the cell now holds wrapper. Returns the
+    body (torch's own, for what is not ours), or None where the function is
+    not built that way and only the names can be rebound."""
+    cells = getattr(function, "__closure__", None) or ()
+    names = getattr(getattr(function, "__code__", None), "co_freevars", ())
+    if names != ("func",) or len(cells) != 1:
+        return None
+    body = cells[0].cell_contents
+    if body is not getattr(function, "__wrapped__", None) or not callable(body):
+        return None
+    cells[0].cell_contents = functools.wraps(body)(wrapper)
+    return body
 
 
 def one_owner(parameters: list, optimizers, call: str):
@@ -142,8 +168,9 @@ def _refuse_unreached(parameters, max_norm, total_norm, foreach=None):
     parameters = _as_list(parameters)
     if _sharded_owners(parameters)[0]:
         raise ValueError(
-            "torch's clip_grad_norm_ (as bound before a ZeroAdamW at stage 2 or 3 was built, "
-            "by `from torch.nn.utils import clip_grad_norm_`), or clip_grads_with_norm_, got "
+            "torch's own clip_grad_norm_ (its body, or the function where rlhfz could not "
+            "redirect it and code bound it before a ZeroAdamW at stage 2 or 3 was built), or "
+            "clip_grads_with_norm_, got "
             "params whose grads that optimizer keeps in its shards: p.grad is None there, so "
             "torch's norm leaves them out and they would not be clipped. Nothing was clipped. "
             "Call the optimizer's clip_grad_norm_(max_norm), or torch.nn.utils.clip_grad_norm_ "

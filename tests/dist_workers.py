@@ -4,6 +4,9 @@ import os
 
 import torch
 import torch.distributed as dist
+# bound as a script's top binds them, before any optimizer is built
+from torch.nn.utils import clip_grad_norm_ as bound_clip_grad_norm_
+from torch.nn.utils import clip_grad_value_ as bound_clip_grad_value_
 
 import rlhfz
 
@@ -873,7 +876,8 @@ def torch_clips_reach_shard_grads(rank, world_size, stage):
     backward: the norms torch returns for whole grads, and the params of
     torch AdamW after torch's clips, for norms of order 2 and inf (and the
     deprecated clip_grad_norm), values over every param and over one
-    layer's, norms over some params alone. Then a norm over the params
+    layer's, norms over some params alone, and both clips as bound before
+    any optimizer was built. Then a norm over the params
     beside another model's grads is refused and scales nothing, as is
     torch's own clip_grad_norm_ (bound before rlhfz wrapped it) or
     clip_grads_with_norm_ over the params."""
@@ -893,6 +897,8 @@ def torch_clips_reach_shard_grads(rank, world_size, stage):
              # only (their shard ranges cut through the buckets), then the
              # whole norm after the part was clipped
              lambda m: torch.nn.utils.clip_grad_norm_(m[2].parameters(), 0.02),
+             lambda m: bound_clip_grad_norm_(m.parameters(), 0.03),
+             lambda m: bound_clip_grad_value_(m.parameters(), 0.0015),
              lambda m: (torch.nn.utils.clip_grad_norm_([m[0].weight, *m[4].parameters()], 0.002,
                                                        norm_type=float("inf")),
                         torch.nn.utils.clip_grad_norm_(m.parameters(), 0.04))[1]]
