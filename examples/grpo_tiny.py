@@ -7,6 +7,9 @@ from a config and a tokenizer from an in-memory vocabulary (no downloads).
 ZeroTrainerMixin keeps the model out of DDP (rlhfz reduces grads), gathers
 the model for generation as ds3_gather_for_generation says, and with
 rlhfz_sleep=True keeps the optimizer state in host memory while it generates.
+The KL term (beta > 0) makes TRL build a reference model from the policy's
+folder: under stage 3 it is sharded as the policy is, and sync_ref_model
+moves it toward the policy shard by shard.
 """
 import os
 import tempfile
@@ -54,6 +57,7 @@ def even_words(completions, **kwargs):
 
 def main():
     from datasets import Dataset
+    from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer
     warnings.filterwarnings("ignore")
 
@@ -61,14 +65,19 @@ def main():
         pass
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    scratch = tempfile.TemporaryDirectory(prefix="grpo-tiny-")     # nothing is saved there
+    scratch = tempfile.TemporaryDirectory(prefix="grpo-tiny-")     # this rank's own
+    # TRL builds the reference model from the policy's folder (a hub id
+    # elsewhere). Saved before the config starts torch.distributed, since
+    # save_pretrained then writes the config on the first rank only.
+    folder = os.path.join(scratch.name, "policy")
+    policy().save_pretrained(folder)
     args = GRPOConfig(
         output_dir=scratch.name, per_device_train_batch_size=8 // world,
         num_generations=4, max_completion_length=8, max_steps=int(os.environ.get("GRPO_STEPS", 6)),
         logging_steps=1, report_to="none", bf16=False, use_cpu=True, save_strategy="no",
-        gradient_checkpointing=False, beta=0.0, learning_rate=1e-3, seed=0,
-        ds3_gather_for_generation=True, disable_tqdm=True)
-    model = policy()
+        gradient_checkpointing=False, beta=0.04, sync_ref_model=True, ref_model_sync_steps=2,
+        learning_rate=1e-3, seed=0, ds3_gather_for_generation=True, disable_tqdm=True)
+    model = AutoModelForCausalLM.from_pretrained(folder)
     opt = rlhfz.ZeroAdamW(model, lr=1e-3, weight_decay=0.0, stage=3 if world > 1 else 2,
                           param_persistence_threshold=64)
     dataset = Dataset.from_dict({"prompt": [" ".join(f"w{(3 * i + j) % 60}" for j in range(4))
@@ -80,8 +89,10 @@ def main():
     result = trainer.train()
     moved = max(float((p - q).abs().max()) for p, q in zip(whole_params(model), initial))
     if trainer.args.process_index == 0:
+        kl = [h["kl"] for h in trainer.state.log_history if "kl" in h]
         print(f"grpo_tiny: {result.global_step} steps on {world} rank(s), stage {opt.stage}, "
               f"loss {result.training_loss:.4g}, params moved by up to {moved:.3g}, "
+              f"last KL to the reference {kl[-1]:.3g}, "
               f"{result.metrics['train_runtime']:.1f} s", flush=True)
     scratch.cleanup()
     # The process groups go before the interpreter does: torch's gloo threads
