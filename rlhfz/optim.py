@@ -507,15 +507,47 @@ class ZeroAdamW(Optimizer):
         params: some of this optimizer's params, to take the norm of and
         clip those alone, as torch's over them would (a collective at stages
         2 and 3 across ranks, as the whole clip is)."""
-        ids = self._own_ids(params, "clip_grad_norm_")
+        ids, plans = self._clip_plans(params, "clip_grad_norm_")
+        norm_type, max_norm = float(norm_type), float(max_norm)
+        total, dtype = self._norm_of(plans, norm_type, ids is not None, error_if_nonfinite)
+        self.engine.clip(plans, total, max_norm, dtype,
+                         sumsq=total * total if norm_type == 2.0 else None,
+                         in_place=ids is not None)
+        return torch.tensor(total, dtype=dtype, device=self.device)
+
+    @torch.no_grad()
+    def get_total_norm(self, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                       params=None) -> torch.Tensor:
+        """torch.nn.utils.get_total_norm of this optimizer's grads, or of
+        those of `params` (some of its params), where rlhfz keeps them; with
+        clip_grads_with_norm_, a clip over several optimizers' params
+        together (torch_grad_calls.py). A collective across ranks."""
+        ids, plans = self._clip_plans(params, "get_total_norm")
+        total, dtype = self._norm_of(plans, float(norm_type), True, error_if_nonfinite)
+        return torch.tensor(total, dtype=dtype, device=self.device)
+
+    @torch.no_grad()
+    def clip_grads_with_norm_(self, max_norm: float, total_norm, params=None) -> None:
+        """torch.nn.utils.clip_grads_with_norm_ on this optimizer's grads, or
+        those of `params`: scaled by max_norm / (total_norm + 1e-6), at most
+        1, in total_norm's dtype. The grads are scaled at once and checked
+        again at the step, since total_norm was not taken here."""
+        ids, plans = self._clip_plans(params, "clip_grads_with_norm_")
+        dtype = total_norm.dtype if isinstance(total_norm, torch.Tensor) else torch.float32
+        self.engine.clip(plans, float(total_norm), float(max_norm), dtype, in_place=True)
+
+    def _clip_plans(self, params, call: str):
+        """(ids of params or None for all, the plans a clip covers)."""
+        ids = self._own_ids(params, call)
         self.synchronize()
         self._follow_moved_params()
-        norm_type, max_norm = float(norm_type), float(max_norm)
-        plans = self.engine.plan("clip_grad_norm_")
-        if ids is not None:
-            plans = self.engine.restrict(plans, ids)
+        plans = self.engine.plan(call)
+        return ids, (plans if ids is None else self.engine.restrict(plans, ids))
+
+    def _norm_of(self, plans, norm_type: float, part: bool, error_if_nonfinite: bool):
+        """(the grads' norm as torch takes it, the dtype torch returns it in)."""
         total = self.engine.norm(plans, norm_type)
-        if ids is not None:
+        if part:
             self.engine.grads_changed()     # the sum of squares just taken is of some grads
         # torch sums |g|**p in fp32 (also for 16-bit grads): past fp32's
         # range its norm is inf, which zeroes the grads or raises below
@@ -531,10 +563,7 @@ class ZeroAdamW(Optimizer):
         # torch returns the norm in the grads' (promoted) dtype and clips in it
         dtypes = {p.bucket.dtype for p in plans if any(p.present)}
         dtype = functools.reduce(torch.promote_types, dtypes) if dtypes else torch.float32
-        self.engine.clip(plans, total, max_norm, dtype,
-                         sumsq=total * total if norm_type == 2.0 else None,
-                         part=ids is not None)
-        return torch.tensor(total, dtype=dtype, device=self.device)
+        return total, dtype
 
     def _own_ids(self, params, call: str) -> set | None:
         """ids of `params` (None: all), which must be this optimizer's."""

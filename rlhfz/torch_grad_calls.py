@@ -9,8 +9,8 @@ wrapped, once, when the first such optimizer is built (as Module.zero_grad
 is, module_zero_grad.py):
 - clip_grad_norm_ over one such optimizer's params (all or some of them)
   clips its shards, as its own clip_grad_norm_(params=...) does; over
-  several optimizers' together, or beside other grads, it is refused with
-  what to do instead;
+  several optimizers' together, or beside other grads, it takes each
+  one's norm where its grads are and scales all of them by torch's rule;
 - clip_grad_value_ clamps any of such an optimizer's params in its shards;
 - GradScaler.unscale_ given such an optimizer calls its unscale_(scaler).
 Everything else goes to torch's own. The clips are redirected inside
@@ -91,41 +91,48 @@ def _redirect(function, wrapper):
     return body
 
 
-def one_owner(parameters: list, optimizers, call: str):
-    """(the one optimizer among `optimizers` whose params are among
-    `parameters`, and those params where they are part of its own only, else
-    None), or (None, None) when none is. ValueError when the clip would need
-    several optimizers' params together, or grads of params outside them
-    beside them: one optimizer's shards give one norm at a time."""
-    ids = {id(p) for p in parameters}
-    owners = []
-    for opt in optimizers:
-        owned = {id(p) for group in opt.param_groups for p in group["params"]}
-        if owned & ids:
-            owners.append((opt, owned))
+def clip_grad_norm(parameters: list, optimizers, max_norm, norm_type=2.0,
+                   error_if_nonfinite=False, foreach=None):
+    """torch.nn.utils.clip_grad_norm_ over `parameters`, where some belong
+    to ZeroAdamW among `optimizers` and their grads live there: the norm of
+    all of them and of the other params' grads, each scaled as torch
+    scales. None when no optimizer owns any of them (torch's own then)."""
+    owners, rest = _owners(parameters, optimizers)
     if not owners:
-        return None, None
-    owned = set().union(*(o for _, o in owners))
-    others = [p for p in parameters if id(p) not in owned and p.grad is not None]
-    if len(owners) > 1 or others:
-        what = ("several optimizers' together" if len(owners) > 1 else
-                "a ZeroAdamW's params and other params' grads together")
-        raise ValueError(
-            f"{call} over these parameters would need the norm of {what}, but a ZeroAdamW "
-            f"takes the norm of its own params only (its grads are sharded). Clip each "
-            f"optimizer's params with its own call (or its clip_grad_norm_), and other grads "
-            f"apart")
-    opt, mine = owners[0]
-    part = None if mine <= ids else [p for p in parameters if id(p) in mine]
-    return opt, part
+        return None
+    others = [p for p in rest if p.grad is not None]
+    if len(owners) == 1 and not others:
+        opt, mine = owners[0]
+        owned = {id(p) for group in opt.param_groups for p in group["params"]}
+        part = None if owned <= {id(p) for p in mine} else mine
+        return opt.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite, foreach, params=part)
+    # several: torch's rule over the union, each norm taken where its grads are
+    norm_type = float(norm_type)
+    norms = [opt.get_total_norm(norm_type, params=mine) for opt, mine in owners]
+    if others:
+        norms.append(torch.nn.utils.get_total_norm([p.grad for p in others], norm_type,
+                                                   False, foreach))
+    device = norms[0].device
+    total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type)
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(f"The total norm of order {norm_type} for gradients from "
+                           "`parameters` is non-finite, so it cannot be clipped. To disable "
+                           "this error and scale the gradients by the non-finite norm anyway, "
+                           "set `error_if_nonfinite=False`")
+    for opt, mine in owners:
+        opt.clip_grads_with_norm_(max_norm, total, params=mine)
+    if others:
+        _TORCH.get("scale", torch_clip_grad._clip_grads_with_norm_)(others, max_norm, total,
+                                                                     foreach)
+    return total
 
 
-def _sharded_owners(parameters: list) -> tuple[list, list]:
-    """([(watched optimizer, its params among `parameters`)], the rest), the
+def _owners(parameters: list, optimizers) -> tuple[list, list]:
+    """([(optimizer, its params among `parameters`)], the rest), the
     optimizers in the order their params first come there: every rank
     calls their collectives alike."""
     owner_of = {}
-    for opt in list(_SHARDED):
+    for opt in optimizers:
         for group in opt.param_groups:
             owner_of.update((id(p), opt) for p in group["params"])
     owned, rest = {}, []
@@ -138,6 +145,10 @@ def _sharded_owners(parameters: list) -> tuple[list, list]:
     return list(owned.items()), rest
 
 
+def _sharded_owners(parameters: list) -> tuple[list, list]:
+    return _owners(parameters, list(_SHARDED))
+
+
 def _as_list(parameters) -> list:
     # a generator is read once: torch's own gets the list
     return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
@@ -146,13 +157,12 @@ def _as_list(parameters) -> list:
 def _clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False,
                      foreach=None):
     parameters = _as_list(parameters)
-    owners, _ = _sharded_owners(parameters)
-    if not owners:
-        return _TORCH["clip_grad_norm_"](parameters, max_norm, norm_type,
-                                         error_if_nonfinite, foreach)
-    opt, part = one_owner(parameters, [opt for opt, _ in owners],
-                          "torch.nn.utils.clip_grad_norm_")
-    return opt.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite, foreach, params=part)
+    total = clip_grad_norm(parameters, list(_SHARDED), max_norm, norm_type, error_if_nonfinite,
+                           foreach)
+    if total is None:
+        return _TORCH["clip_grad_norm_"](parameters, max_norm, norm_type, error_if_nonfinite,
+                                         foreach)
+    return total
 
 
 def _clip_grad_value_(parameters, clip_value, foreach=None):

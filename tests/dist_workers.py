@@ -1,5 +1,6 @@
 """Per-rank bodies of the multi-process tests (importable by spawned ranks)."""
 import contextlib
+import math
 import os
 
 import torch
@@ -877,10 +878,10 @@ def torch_clips_reach_shard_grads(rank, world_size, stage):
     torch AdamW after torch's clips, for norms of order 2 and inf (and the
     deprecated clip_grad_norm), values over every param and over one
     layer's, norms over some params alone, and both clips as bound before
-    any optimizer was built. Then a norm over the params
-    beside another model's grads is refused and scales nothing, as is
-    torch's own clip_grad_norm_ (bound before rlhfz wrapped it) or
-    clip_grads_with_norm_ over the params."""
+    any optimizer was built; a norm over the params beside another model's
+    grads, as torch takes it over both. torch's own clip_grad_norm_ body,
+    or clip_grads_with_norm_ over the params, is refused and scales
+    nothing."""
     import warnings
     model, plain = make_model(), make_model()
     opt = rlhfz.ZeroAdamW(model if stage == 3 else model.parameters(), lr=1e-3, stage=stage,
@@ -921,11 +922,6 @@ def torch_clips_reach_shard_grads(rank, world_size, stage):
     x, y = batches(1, seed=7)[0]
     torch.nn.functional.mse_loss(model(x[shard]), y[shard]).backward()
     before = float(opt.clip_grad_norm_(float("inf")))
-    try:
-        torch.nn.utils.clip_grad_norm_([*model.parameters(), *plain.parameters()], 1e-4)
-        refused_beside = None
-    except ValueError as error:
-        refused_beside = str(error)
     early = []
     for clip in (lambda: torch.nn.utils.clip_grad_norm_.__wrapped__(model.parameters(), 1e-4),
                  lambda: torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1e-4,
@@ -936,6 +932,16 @@ def torch_clips_reach_shard_grads(rank, world_size, stage):
         except ValueError as error:
             early.append(str(error))
     after = float(opt.clip_grad_norm_(float("inf")))
+    # a norm over the params and another model's grads together: torch's over both
+    beside = float(torch.nn.utils.get_total_norm([p.grad for p in plain.parameters()]))
+    kept = [p.grad.clone() for p in plain.parameters()]
+    together = float(torch.nn.utils.clip_grad_norm_([*model.parameters(), *plain.parameters()],
+                                                    1e-4))
+    coef = 1e-4 / (together + 1e-6)
+    together_check = {"norm": (together, math.hypot(after, beside)),
+                      "ours": (float(opt.clip_grad_norm_(float("inf"))), after * coef),
+                      "theirs": max(float((p.grad - k * coef).abs().max())
+                                    for p, k in zip(plain.parameters(), kept))}
     import inspect
     wrappers = [getattr(torch.nn.utils, name) for name in ("clip_grad_norm_", "clip_grad_value_")]
     # rlhfz's, under torch's names and signatures, in both places torch exports them from
@@ -945,5 +951,4 @@ def torch_clips_reach_shard_grads(rank, world_size, stage):
     diff = max(float((ours[name].detach() - p.detach()).abs().max())
                for name, p in plain.named_parameters())
     opt.close()
-    return {"norms": norms, "binds": binds, "diff": diff,
-            "refused_beside": refused_beside, "looks": looks, "early": early, "before": before, "after": after}
+    return {"norms": norms, "binds": binds, "diff": diff, "together": together_check, "looks": looks, "early": early, "before": before, "after": after}

@@ -274,6 +274,32 @@ def test_clip_grad_norm_over_some_params_matches_torch(norm_type):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
 
 
+def test_get_total_norm_and_clip_grads_with_norm_match_torch():
+    """torch's two halves of a clip, for a norm over several optimizers'
+    params: the norm of some params, then a clip by a norm from outside."""
+    model, opt, ref, ref_opt = _pair_with_large_grads()
+    ours = opt.get_total_norm(params=model[2].parameters())
+    theirs = torch.nn.utils.get_total_norm([p.grad for p in ref[2].parameters()])
+    assert float(ours) == pytest.approx(float(theirs), rel=1e-6)
+    outside = theirs * 3
+    opt.clip_grads_with_norm_(1.0, outside)
+    torch.nn.utils.clip_grads_with_norm_(ref.parameters(), 1.0, outside)
+    opt.step()
+    ref_opt.step()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
+
+
+def test_a_clip_by_a_norm_from_outside_leaves_the_step_its_check():
+    p = torch.nn.Parameter(torch.ones(8))
+    opt = rlhfz.ZeroAdamW([p], lr=0.1)
+    p.grad = torch.ones(8)
+    p.grad[3] = float("nan")
+    opt.clip_grads_with_norm_(1.0, torch.tensor(2.0))     # a finite norm, not of these grads
+    with pytest.raises(rlhfz.NonFiniteGradError):
+        opt.step()
+
+
 def test_clip_grad_value_refuses_params_of_another_optimizer():
     model = _model()
     opt = rlhfz.ZeroAdamW(model[0].parameters(), lr=1e-3)

@@ -448,18 +448,19 @@ class ShardEngine:
         return local ** (1.0 / norm_type)
 
     def clip(self, plans, total: float, max_norm: float, dtype: torch.dtype,
-             sumsq: float | None = None, part: bool = False) -> None:
+             sumsq: float | None = None, in_place: bool = False) -> None:
         """Scales grads of global norm `total` as torch.nn.utils.clip_grad_norm_
         does: by max_norm / (total + 1e-6), at most 1, computed in the norm's
         dtype (the grads' promoted one). A NaN norm makes every grad NaN and
         an infinite one zeroes them (an Inf grad becomes NaN), as in torch.
-        sumsq: the grads' sum of squares (of a 2-norm), or None. part: the
-        plans cover some params only (restrict), so they are scaled now,
-        since the step's factor is for every grad."""
+        sumsq: the grads' sum of squares (of a 2-norm), or None. in_place:
+        the plans cover some params only (restrict), or `total` was not
+        taken here: they are scaled now (the step's factor is for every
+        grad) and checked again at the step."""
         self.clipped = True
         norm = torch.tensor(total, dtype=dtype)
         coef = float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-        if part:
+        if in_place:
             self.settle_grads()
             if not coef >= 1.0:
                 self._scale_views(plans, coef)

@@ -25,7 +25,7 @@ from accelerate import Accelerator
 from ..generation import unwrap_model
 from ..optim import owning_optimizer
 from ..sharding import shard_with, sharding_of_model
-from ..torch_grad_calls import one_owner
+from ..torch_grad_calls import clip_grad_norm
 
 
 def zero_optimizer(optimizer):
@@ -131,12 +131,17 @@ class ZeroAcceleratorMixin:
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        opt, part = one_owner(parameters, self._zero_optimizers(), "clip_grad_norm_")
-        if opt is None:
+        zeros = self._zero_optimizers()
+        given = {id(p) for p in parameters}
+        owners = {id(opt) for opt in zeros for group in opt.param_groups
+                  for p in group["params"] if id(p) in given}
+        if not owners:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
         if getattr(self, "scaler", None) is not None:
-            self.unscale_gradients(opt)
-        return opt.clip_grad_norm_(max_norm, norm_type, params=part)
+            for opt in zeros:
+                if id(opt) in owners:
+                    self.unscale_gradients(opt)
+        return clip_grad_norm(parameters, zeros, max_norm, norm_type)
 
 
 def _view_key(tensor: torch.Tensor) -> tuple:
