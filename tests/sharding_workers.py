@@ -523,6 +523,19 @@ def accelerate_reference(rank, world_size):
     with torch.no_grad():
         same = torch.equal(reference(ids).logits, tiny_lm("llama", seed=2)(ids).logits)
     out = {"local": sum(p.numel() for p in reference.parameters()), "logits_equal": same}
+    # a model that shares a param with the sharded reference is left as it is
+    class Beside(torch.nn.Module):
+        def __init__(self, shared):
+            super().__init__()
+            self.shared = shared
+            self.own = torch.nn.Linear(4, 4)
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        beside = accelerator.prepare_model(Beside(reference.model.embed_tokens),
+                                             evaluation_mode=True)
+    out["shared_left"] = (rlhfz.sharding.sharding_of_model(beside) is None and
+                          any("shares params" in str(w.message) for w in caught))
     # what ZeroTrainerMixin(rlhfz_shard_frozen=False) sets: whole on every rank
     accelerator.rlhfz_shard_like = lambda: None
     kept = accelerator.prepare_model(tiny_lm("llama", seed=3), evaluation_mode=True)

@@ -475,4 +475,4 @@ def test_accelerate_shards_a_model_prepared_for_evaluation_beside_a_stage3_optim
     for r in run_ranks(workers.accelerate_reference, 2):
         assert r["local"] == 0 and r["logits_equal"]      # placeholders alone, whole logits
         assert r["blend_bitwise"] and r["blend_sent"] == 0
-        assert r["kept_whole"]
+        assert r["kept_whole"] and r["shared_left"]

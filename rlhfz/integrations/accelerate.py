@@ -24,7 +24,7 @@ from accelerate import Accelerator
 
 from ..generation import unwrap_model
 from ..optim import owning_optimizer
-from ..sharding import shard_with, sharding_of_model
+from ..sharding import shard_with, sharding_of, sharding_of_model
 from ..torch_grad_calls import clip_grad_norm
 
 
@@ -45,6 +45,14 @@ def shard_like(model, optimizer) -> bool:
     inner = unwrap_model(model)
     params = list(inner.parameters())
     if optimizer.stage3 is None or not params or sharding_of_model(inner) is not None:
+        return False
+    try:
+        shared = sharding_of(params) is not None
+    except ValueError:             # some params of a sharded model, some not
+        shared = True
+    if shared:
+        warnings.warn(f"{type(inner).__name__} stays as it is: it shares params with a model "
+                      f"sharded already, which shard that model's way", stacklevel=3)
         return False
     devices = {p.device for p in params}
     if devices != {optimizer.device}:
