@@ -66,10 +66,17 @@ def blend_params(target, source, alpha: float, *, bucket_bytes: int = 256 << 20)
     with torch.no_grad():
         parts = _local_parts(target_record, target_inner, source_record, source_inner)
         if parts is not None:
-            for mine, theirs in parts:
+            written = {}
+            for mine, theirs, slot in parts:
                 mine.mul_(1.0 - alpha).add_(theirs.to(mine.device), alpha=alpha)
+                if slot is not None:
+                    written.setdefault(id(slot[0]), (slot[0], []))[1].append(slot[1])
+            for bucket, indices in written.values():
+                bucket.parts_written(indices)        # a trained target's master follows
             return
         if target_record is None or target_record.stage3 is None:
+            # in place through the params, so a trained target's optimizer
+            # sees the write in their versions (not through .data)
             params = dict(target_inner.named_parameters())
             for name, value in iter_full_params(source, bucket_bytes):
                 params[name].mul_(1.0 - alpha).add_(value.to(params[name].device), alpha=alpha)
@@ -99,8 +106,9 @@ def _stage3_record(record):
 
 
 def _local_parts(target_record, target_inner, source_record, source_inner):
-    """[(the target's values this rank holds, the source's same elements)]
-    when every rank holds the source elements its target part needs: both
+    """[(the target's values this rank holds, the source's same elements,
+    (bucket, index) of the target's part or None for a whole param)] when
+    every rank holds the source elements its target part needs: both
     sharded over the same ranks with each param at the same place in its
     bucket, or the source whole. None when some rank would need another's
     (a collective blend); the answer is the same on every rank, since
@@ -123,17 +131,20 @@ def _local_parts(target_record, target_inner, source_record, source_inner):
         if id(mine) not in target_slots:
             if id(theirs) in source_slots:
                 return None  # whole here, sharded there
-            parts.append((mine.data, theirs.data))
+            # the param itself: its version counts the write
+            parts.append((mine, theirs.detach(), None))
             continue
         bucket, index = target_slots[id(mine)]
         if id(theirs) not in source_slots:
             parts.append((bucket.param_shard_part(index),
-                          bucket.shard.part_of(index, theirs.data.reshape(-1))))
+                          bucket.shard.part_of(index, theirs.detach().reshape(-1)),
+                          (bucket, index)))
             continue
         other, other_index = source_slots[id(theirs)]
         if _place(bucket, index) != _place(other, other_index):
             return None
-        parts.append((bucket.param_shard_part(index), other.param_shard_part(other_index)))
+        parts.append((bucket.param_shard_part(index), other.param_shard_part(other_index),
+                      (bucket, index)))
     return parts
 
 

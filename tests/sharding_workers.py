@@ -506,6 +506,23 @@ def blend(rank, world_size, layout, alpha):
     again = rlhfz.full_state_dict(reference, rank0_only=False)
     out["unchanged_by_errors"] = all(torch.equal(again[k], after[k]) for k in after)
     opt.close()
+    # into a trained bf16 model: its optimizer steps from the blended
+    # values (its fp32 master follows them), as torch's would
+    trained = tiny_lm("llama", seed=1).to(torch.bfloat16)
+    frozen = tiny_lm("llama", seed=2).to(torch.bfloat16)
+    if layout["policy"] is not None:
+        opt = rlhfz.ZeroAdamW(trained, stage=3, lr=0.0,    # a step reads the master back
+                              param_persistence_threshold=layout["policy"])
+    else:
+        opt = rlhfz.ZeroAdamW(trained, stage=2, lr=0.0)
+    if layout["reference"] is not None:
+        rlhfz.shard_model(frozen, param_persistence_threshold=layout["reference"])
+    blend_params(trained, frozen, 0.5)
+    blended = rlhfz.full_state_dict(trained, rank0_only=False)
+    train(trained, opt, rank, world_size, 1, clip=False)
+    stepped = rlhfz.full_state_dict(trained, rank0_only=False)
+    out["trained_target"] = all(torch.equal(stepped[k], v) for k, v in blended.items())
+    opt.close()
     return out
 
 

@@ -468,6 +468,7 @@ def test_blend_params_moves_a_reference_model_as_trl_does_on_whole_copies(world_
         assert "differ in shape or dtype" in r["errors"][0]          # the untied vocab
         assert "alpha" in r["errors"][2] and "alpha" in r["errors"][3]
         assert r["unchanged_by_errors"]
+        assert r["trained_target"]
 
 
 def test_accelerate_shards_a_model_prepared_for_evaluation_beside_a_stage3_optimizer():

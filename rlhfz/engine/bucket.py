@@ -286,6 +286,11 @@ class Bucket:
                     self.state.write("master", i, torch.where(kept, held, written.float()))
         self.pull_host_part(master=False)
 
+    def parts_written(self, indices: list[int]) -> None:
+        """This rank's parts of these params were written in place (through
+        param_shard_part): the copies the optimizer steps from follow."""
+        self._adopt_param_values(list(indices))
+
     def _adopt_param_values(self, changed: list[int]) -> None:
         """New values written into params' slots: the fp32 master follows
         them (a 16-bit param's own master, or the host part's copy of an fp32

@@ -76,7 +76,8 @@ class ZeroTrainerMixin:
         self.rlhfz_sleep_path = rlhfz_sleep_path
         self.rlhfz_shard_frozen = bool(rlhfz_shard_frozen)
         model = kwargs.get("model", args[0] if args else None)
-        with _whole_for_trl_init(model, kwargs.get("args")):
+        config = kwargs.get("args", next((a for a in args if hasattr(a, "output_dir")), None))
+        with _whole_for_trl_init(model, config):
             super().__init__(*args, **kwargs)
         zero_sync_callbacks(self.callback_handler)
 
