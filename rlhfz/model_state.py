@@ -44,7 +44,8 @@ def whole_shape(slots: dict, p: torch.Tensor) -> tuple:
 
 def blend_params(target, source, alpha: float, *, bucket_bytes: int = 256 << 20) -> None:
     """target's params <- (1 - alpha) * target + alpha * source, name by
-    name in the target's dtype, as TRL's SyncRefModelCallback moves a
+    name in the target's dtype (a source of another dtype is cast, as
+    torch's add_ casts it), as TRL's SyncRefModelCallback moves a
     reference model toward the policy (the same operations, so the same
     bits). Either model may be sharded at stage 3 across ranks; every rank
     calls it then. Where each rank holds the source's elements of its own
@@ -53,8 +54,8 @@ def blend_params(target, source, alpha: float, *, bucket_bytes: int = 256 << 20)
     rank blends its shard in place and nothing crosses ranks. Otherwise it
     is a collective: both are read a few units at a time (iter_full_params)
     and the target written through its load_state_dict, so no rank holds
-    either model whole. The models must have the same param names, whole
-    shapes and dtypes: otherwise ValueError, and nothing changed."""
+    either model whole. The models must have the same param names and
+    whole shapes: otherwise ValueError, and nothing changed."""
     alpha = float(alpha)
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be within [0, 1], not {alpha}")
@@ -155,11 +156,10 @@ def _place(bucket, index: int) -> tuple:
 
 
 def _param_specs(model) -> dict[str, tuple]:
-    """{name: (whole shape, dtype)} of the model's params, placeholders included."""
+    """{name: whole shape} of the model's params, placeholders included."""
     record, inner = unwrapped(model)
     slots = record.sharded_slots() if record is not None and record.stage3 is not None else {}
-    return {name: (tuple(whole_shape(slots, p)), p.dtype)
-            for name, p in inner.named_parameters()}
+    return {name: tuple(whole_shape(slots, p)) for name, p in inner.named_parameters()}
 
 
 def _check_alike(target: dict, source: dict) -> None:
@@ -175,7 +175,7 @@ def _check_alike(target: dict, source: dict) -> None:
         parts.append(f"the target lacks {extra[:5]}")
     if differ:
         name = differ[0]
-        parts.append(f"{len(differ)} differ in shape or dtype, as {name}: {target[name]} in the "
+        parts.append(f"{len(differ)} differ in shape, as {name}: {target[name]} in the "
                      f"target, {source[name]} in the source")
     raise ValueError("the two models' params do not match, so one cannot be blended into the "
                      "other: " + "; ".join(parts) + ". Nothing was changed")

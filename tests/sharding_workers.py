@@ -457,7 +457,8 @@ def adalora_saved(rank, world_size, directory):
 def _trl_blend(target_state, source_state, alpha):
     """TRL's SyncRefModelCallback mixing whole copies (state dicts)."""
     from trl.trainer.callbacks import SyncRefModelCallback
-    target, source = tiny_lm("llama"), tiny_lm("llama")
+    target = tiny_lm("llama")
+    source = tiny_lm("llama").to(next(iter(source_state.values())).dtype)
     target.load_state_dict(target_state)
     source.load_state_dict(source_state)
     SyncRefModelCallback._sync_target_model(source, target, alpha)
@@ -470,6 +471,8 @@ def blend(rank, world_size, layout, alpha):
     copies; then a blend between unlike models, refused."""
     from rlhfz.model_state import blend_params
     policy, reference = tiny_lm("llama", seed=1), tiny_lm("llama", seed=2)
+    if layout.get("policy_dtype") is not None:
+        policy = policy.to(layout["policy_dtype"])     # add_ casts it, as torch's does
     if layout["policy"] is not None:
         opt = rlhfz.ZeroAdamW(policy, stage=3, lr=1e-2,
                               param_persistence_threshold=layout["policy"])
