@@ -16,8 +16,8 @@ The mixin goes first among the bases. It:
   trainer prepares as the policy is sharded (rlhfz_shard_frozen=False keeps
   them whole on every rank), and moves a sharded reference model toward the
   policy (TRL's sync_ref_model) shard by shard, as TRL's callback would on
-  whole models; a LoRA model with a KL term is whole for the trainer's init,
-  where TRL copies its adapter into a "ref" one through p.data;
+  whole models; a LoRA model is whole for the rest of the trainer's init
+  once TRL adds a "ref" adapter to it, which it fills through p.data;
 - saves and loads the optimizer with rlhfz's sharded checkpoints on every
   rank (the Trainer's own path calls state_dict() on one rank only), and the
   model's whole weights under stage 3.
@@ -55,16 +55,31 @@ def sleeping(optimizer, what=SLEEP_KINDS, to="cpu", path=None):
         opt.reload()
 
 
-def _whole_for_trl_init(model, args):
-    """The model gathered whole where TRL's init writes into its params: a
-    PEFT model with a KL term gets a frozen "ref" adapter copied from the
-    trained one through p.data, an empty placeholder under stage 3. The
-    copies land in the new, whole adapter; the context leaves the rest as
-    it was."""
-    peft = model is not None and hasattr(model, "peft_config") and hasattr(model, "add_adapter")
-    if not peft or stage3_of(model) is None or not getattr(args, "beta", 0.0):
-        return contextlib.nullcontext()
-    return gather_for_generation(model)
+@contextlib.contextmanager
+def _whole_once_adapters_are_added(model):
+    """Within it, the model is gathered whole from the moment something adds
+    an adapter to it: TRL's init adds a frozen "ref" adapter to a PEFT model
+    (GRPO with a KL term, RLOO, DPO) and copies the trained one into it
+    through p.data, an empty placeholder under stage 3. The copies land in
+    the new, whole adapter; leaving releases the rest as it was. A model
+    that gets no adapter is never gathered."""
+    if stage3_of(model) is None or not callable(getattr(model, "add_adapter", None)) or \
+            not hasattr(model, "peft_config"):
+        yield
+        return
+    original = model.add_adapter
+    gathered = []
+    with contextlib.ExitStack() as whole:
+        def add_adapter(*args, **kwargs):
+            result = original(*args, **kwargs)
+            if not gathered:
+                gathered.append(whole.enter_context(gather_for_generation(model)))
+            return result
+        model.add_adapter = add_adapter        # shadows the method for the init
+        try:
+            yield
+        finally:
+            del model.add_adapter
 
 
 class ZeroTrainerMixin:
@@ -76,8 +91,7 @@ class ZeroTrainerMixin:
         self.rlhfz_sleep_path = rlhfz_sleep_path
         self.rlhfz_shard_frozen = bool(rlhfz_shard_frozen)
         model = kwargs.get("model", args[0] if args else None)
-        config = kwargs.get("args", next((a for a in args if hasattr(a, "output_dir")), None))
-        with _whole_for_trl_init(model, config):
+        with _whole_once_adapters_are_added(model):
             super().__init__(*args, **kwargs)
         zero_sync_callbacks(self.callback_handler)
 
