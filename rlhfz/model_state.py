@@ -75,7 +75,7 @@ def blend_params(target, source, alpha: float, *, bucket_bytes: int = 256 << 20)
             for bucket, indices in written.values():
                 bucket.parts_written(indices)        # a trained target's master follows
             return
-        if target_record is None or target_record.stage3 is None:
+        if _stage3_record(target_record) is None:
             # in place through the params, so a trained target's optimizer
             # sees the write in their versions (not through .data)
             params = dict(target_inner.named_parameters())
@@ -158,7 +158,7 @@ def _place(bucket, index: int) -> tuple:
 def _param_specs(model) -> dict[str, tuple]:
     """{name: whole shape} of the model's params, placeholders included."""
     record, inner = unwrapped(model)
-    slots = record.sharded_slots() if record is not None and record.stage3 is not None else {}
+    slots = record.sharded_slots() if _stage3_record(record) is not None else {}
     return {name: tuple(whole_shape(slots, p)) for name, p in inner.named_parameters()}
 
 

@@ -97,7 +97,7 @@ def clip_grad_norm(parameters: list, optimizers, max_norm, norm_type=2.0,
     to ZeroAdamW among `optimizers` and their grads live there: the norm of
     all of them and of the other params' grads, each scaled as torch
     scales. None when no optimizer owns any of them (torch's own then)."""
-    owners, rest = _owners(parameters, optimizers)
+    owners, rest = owners_of(parameters, optimizers)
     if not owners:
         return None
     others = [p for p in rest if p.grad is not None]
@@ -127,7 +127,7 @@ def clip_grad_norm(parameters: list, optimizers, max_norm, norm_type=2.0,
     return total
 
 
-def _owners(parameters: list, optimizers) -> tuple[list, list]:
+def owners_of(parameters: list, optimizers) -> tuple[list, list]:
     """([(optimizer, its params among `parameters`)], the rest), the
     optimizers in the order their params first come there: every rank
     calls their collectives alike."""
@@ -146,7 +146,7 @@ def _owners(parameters: list, optimizers) -> tuple[list, list]:
 
 
 def _sharded_owners(parameters: list) -> tuple[list, list]:
-    return _owners(parameters, list(_SHARDED))
+    return owners_of(parameters, list(_SHARDED))
 
 
 def _as_list(parameters) -> list:

@@ -25,7 +25,7 @@ from accelerate import Accelerator
 from ..generation import unwrap_model
 from ..optim import owning_optimizer
 from ..sharding import shard_with, sharding_of, sharding_of_model
-from ..torch_grad_calls import clip_grad_norm
+from ..torch_grad_calls import clip_grad_norm, owners_of
 
 
 def zero_optimizer(optimizer):
@@ -140,15 +140,12 @@ class ZeroAcceleratorMixin:
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         zeros = self._zero_optimizers()
-        given = {id(p) for p in parameters}
-        owners = {id(opt) for opt in zeros for group in opt.param_groups
-                  for p in group["params"] if id(p) in given}
+        owners, _ = owners_of(parameters, zeros)
         if not owners:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
         if getattr(self, "scaler", None) is not None:
-            for opt in zeros:
-                if id(opt) in owners:
-                    self.unscale_gradients(opt)
+            for opt, _ in owners:
+                self.unscale_gradients(opt)
         return clip_grad_norm(parameters, zeros, max_norm, norm_type)
 
 

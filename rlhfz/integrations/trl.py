@@ -14,11 +14,13 @@ param, which for a sharded param is an empty placeholder.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 from ..generation import gather_for_generation, stage3_of, unwrap_model
 from ..model_state import blend_params
 
 
+@functools.lru_cache(maxsize=None)
 def _sync_callback_class():
     from trl.trainer.callbacks import SyncRefModelCallback
 
