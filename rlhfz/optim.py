@@ -509,10 +509,9 @@ class ZeroAdamW(Optimizer):
         2 and 3 across ranks, as the whole clip is)."""
         ids, plans = self._clip_plans(params, "clip_grad_norm_")
         norm_type, max_norm = float(norm_type), float(max_norm)
-        total, dtype = self._norm_of(plans, norm_type, ids is not None, error_if_nonfinite)
-        self.engine.clip(plans, total, max_norm, dtype,
-                         sumsq=total * total if norm_type == 2.0 else None,
-                         in_place=ids is not None)
+        total, dtype, sumsq = self._norm_of(plans, norm_type, ids is not None,
+                                            error_if_nonfinite)
+        self.engine.clip(plans, total, max_norm, dtype, sumsq=sumsq, in_place=ids is not None)
         return torch.tensor(total, dtype=dtype, device=self.device)
 
     @torch.no_grad()
@@ -523,7 +522,7 @@ class ZeroAdamW(Optimizer):
         clip_grads_with_norm_, a clip over several optimizers' params
         together (torch_grad_calls.py). A collective across ranks."""
         ids, plans = self._clip_plans(params, "get_total_norm")
-        total, dtype = self._norm_of(plans, float(norm_type), True, error_if_nonfinite)
+        total, dtype, _ = self._norm_of(plans, float(norm_type), True, error_if_nonfinite)
         return torch.tensor(total, dtype=dtype, device=self.device)
 
     @torch.no_grad()
@@ -545,8 +544,9 @@ class ZeroAdamW(Optimizer):
         return ids, (plans if ids is None else self.engine.restrict(plans, ids))
 
     def _norm_of(self, plans, norm_type: float, part: bool, error_if_nonfinite: bool):
-        """(the grads' norm as torch takes it, the dtype torch returns it in)."""
-        total = self.engine.norm(plans, norm_type)
+        """(the grads' norm as torch takes it, the dtype torch returns it in,
+        their sum of squares or None)."""
+        total, sumsq = self.engine.norm(plans, norm_type)
         if part:
             self.engine.grads_changed()     # the sum of squares just taken is of some grads
         # torch sums |g|**p in fp32 (also for 16-bit grads): past fp32's
@@ -563,7 +563,7 @@ class ZeroAdamW(Optimizer):
         # torch returns the norm in the grads' (promoted) dtype and clips in it
         dtypes = {p.bucket.dtype for p in plans if any(p.present)}
         dtype = functools.reduce(torch.promote_types, dtypes) if dtypes else torch.float32
-        return total, dtype
+        return total, dtype, (sumsq if math.isfinite(total) else None)
 
     def _own_ids(self, params, call: str) -> set | None:
         """ids of `params` (None: all), which must be this optimizer's."""

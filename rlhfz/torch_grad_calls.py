@@ -25,6 +25,7 @@ keeps torch's: the step then refuses the clip after it
 from __future__ import annotations
 
 import functools
+import types
 import weakref
 
 import torch
@@ -100,8 +101,11 @@ def clip_grad_norm(parameters: list, optimizers, max_norm, norm_type=2.0,
     owners, rest = owners_of(parameters, optimizers)
     if not owners:
         return None
-    others = [p for p in rest if p.grad is not None]
-    if len(owners) == 1 and not others:
+    # The way is chosen alike on every rank (the norms are collectives): by
+    # which params take grads, not by which have one here.
+    trained = [p for p in rest if p.requires_grad]
+    others = [p for p in trained if p.grad is not None]
+    if len(owners) == 1 and not trained:
         opt, mine = owners[0]
         owned = {id(p) for group in opt.param_groups for p in group["params"]}
         part = None if owned <= {id(p) for p in mine} else mine
@@ -109,7 +113,7 @@ def clip_grad_norm(parameters: list, optimizers, max_norm, norm_type=2.0,
     # several: torch's rule over the union, each norm taken where its grads are
     norm_type = float(norm_type)
     norms = [opt.get_total_norm(norm_type, params=mine) for opt, mine in owners]
-    if others:
+    if others:      # this rank's alone, as torch's clip on each rank takes them
         norms.append(torch.nn.utils.get_total_norm([p.grad for p in others], norm_type,
                                                    False, foreach))
     device = norms[0].device
@@ -150,28 +154,39 @@ def _sharded_owners(parameters: list) -> tuple[list, list]:
 
 
 def _as_list(parameters) -> list:
-    # a generator is read once: torch's own gets the list
     return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+
+
+def _as_given(parameters, listed: list):
+    """listed, as torch's own should see what the caller gave: a generator
+    is read once here, and torch warns of an empty one."""
+    return (p for p in listed) if isinstance(parameters, types.GeneratorType) else listed
 
 
 def _clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False,
                      foreach=None):
-    parameters = _as_list(parameters)
-    total = clip_grad_norm(parameters, list(_SHARDED), max_norm, norm_type, error_if_nonfinite,
+    listed = _as_list(parameters)
+    total = clip_grad_norm(listed, list(_SHARDED), max_norm, norm_type, error_if_nonfinite,
                            foreach)
     if total is None:
-        return _TORCH["clip_grad_norm_"](parameters, max_norm, norm_type, error_if_nonfinite,
-                                         foreach)
+        return _TORCH["clip_grad_norm_"](_as_given(parameters, listed), max_norm, norm_type,
+                                         error_if_nonfinite, foreach)
     return total
 
 
 def _clip_grad_value_(parameters, clip_value, foreach=None):
-    parameters = _as_list(parameters)
-    owners, rest = _sharded_owners(parameters)
+    listed = _as_list(parameters)
+    owners, rest = _sharded_owners(listed)
+    if not owners:
+        _TORCH["clip_grad_value_"](_as_given(parameters, listed), clip_value, foreach)
+        return
     for opt, params in owners:
         opt.clip_grad_value_(clip_value, foreach, params=params)   # elementwise: any of them
-    if rest or not owners:
-        _TORCH["clip_grad_value_"](rest, clip_value, foreach)
+    # torch's own refuses a list without grads, where the same model whole
+    # (its grads on the params) is clipped
+    others = [p for p in rest if p.grad is not None]
+    if others:
+        _TORCH["clip_grad_value_"](others, clip_value, foreach)
 
 
 def _refuse_unreached(parameters, max_norm, total_norm, foreach=None):

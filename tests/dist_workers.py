@@ -952,3 +952,110 @@ def torch_clips_reach_shard_grads(rank, world_size, stage):
                for name, p in plain.named_parameters())
     opt.close()
     return {"norms": norms, "binds": binds, "diff": diff, "together": together_check, "looks": looks, "early": early, "before": before, "after": after}
+
+
+def torch_clips_at_their_edges(rank, world_size, stage):
+    """torch's clips over sharded grads where torch's rules are finest: a NaN
+    in a later shard under the inf norm (Python's max dropped it), 16-bit
+    grads (torch rounds each tensor's norm to the grad's dtype before the
+    norm of those), a value clip over a model with a frozen param (torch's
+    own refuses a list without grads), a norm beside a head whose grads
+    only rank 0 has (the way was chosen from this rank's grads), and
+    torch's warning for an empty generator after the optimizer is gone.
+    Every rank takes the same batch, so the mean grads are each rank's own
+    and torch's values on the same model whole are exact references."""
+    import gc
+    import warnings
+    out = {}
+
+    def same_model(frozen=False):
+        made = [make_model() for _ in range(2)]
+        for m in made:
+            m[0].bias.requires_grad_(not frozen)
+        return made
+
+    def sharded(model):
+        trained = [p for p in model.parameters() if p.requires_grad]
+        return rlhfz.ZeroAdamW(model if stage == 3 else trained, lr=1e-3, stage=stage,
+                               **({"param_persistence_threshold": 0} if stage == 3 else {}))
+
+    def backward(models):
+        x, y = batches(1, seed=3)[0]
+        for m in models:
+            torch.nn.functional.mse_loss(m(x), y).backward()
+
+    # NaN in the last param's grads, behind shards of finite ones
+    model, plain = same_model()
+    opt = sharded(model)
+    backward([model, plain])
+    last = opt.param_groups[0]["params"][-1]
+    opt.clip_grads_with_norm_(1.0, torch.tensor(float("nan")), params=[last])
+    plain[4].bias.grad.fill_(float("nan"))
+    rows = []
+    for error_if_nonfinite in (False, True):
+        row = []
+        for m in (model, plain):
+            try:
+                row.append(float(torch.nn.utils.clip_grad_norm_(
+                    m.parameters(), 1.0, "inf", error_if_nonfinite=error_if_nonfinite)))
+            except RuntimeError as error:
+                row.append("non-finite" if "non-finite" in str(error) else str(error))
+        rows.append(row)
+    out["nan"] = rows
+    opt.close()
+
+    # 16-bit grads: each tensor's norm rounded to bf16, then the norm of those
+    # (seed 4's 2-norm was a bf16 step off when the exact norm was rounded once)
+    out["bf16"] = []
+    for seed in range(8):
+        model, plain = make_model(seed).bfloat16(), make_model(seed).bfloat16()
+        opt = sharded(model)
+        x, y = batches(1, seed=seed)[0]
+        for m in (model, plain):
+            torch.nn.functional.mse_loss(m(x.bfloat16()), y.bfloat16()).backward()
+        out["bf16"] += [(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9, order)),
+                         float(torch.nn.utils.clip_grad_norm_(plain.parameters(), 1e9, order)))
+                        for order in (2.0, "inf", 3.0)]
+        opt.close()
+
+    # a frozen param beside the optimizer's, under a value clip and a norm
+    model, plain = same_model(frozen=True)
+    opt = sharded(model)
+    backward([model, plain])
+    torch.nn.utils.clip_grad_value_(model.parameters(), 1e-3)
+    torch.nn.utils.clip_grad_value_(plain.parameters(), 1e-3)
+    norms = (float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)),
+             float(torch.nn.utils.clip_grad_norm_(plain.parameters(), 1e-3)))
+    opt.step()
+    torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], lr=1e-3).step()
+    ours = dict(rlhfz.iter_full_params(model)) if stage == 3 else dict(model.named_parameters())
+    out["frozen"] = {"norms": norms,
+                     "diff": max(float((ours[name].detach() - p.detach()).abs().max())
+                                 for name, p in plain.named_parameters())}
+    opt.close()
+
+    # a head whose grads only rank 0 has, in one clip with the optimizer's params
+    model, _ = same_model()
+    head = torch.nn.Linear(7, 1)
+    opt = sharded(model)
+    x, y = batches(1, seed=3)[0]
+    hidden = model(x)
+    loss = torch.nn.functional.mse_loss(hidden, y)
+    if rank == 0:
+        loss = loss + head(hidden).pow(2).mean()
+    loss.backward()
+    body = float(opt.get_total_norm())
+    beside = (float(torch.nn.utils.get_total_norm([p.grad for p in head.parameters()]))
+              if rank == 0 else 0.0)
+    out["beside"] = (float(torch.nn.utils.clip_grad_norm_([*model.parameters(),
+                                                          *head.parameters()], 1e9)),
+                     math.hypot(body, beside))
+    opt.close()
+
+    del opt
+    gc.collect()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.nn.utils.clip_grad_norm_((p for p in ()), 1.0)
+    out["warned"] = [str(w.message) for w in caught]
+    return out

@@ -1,5 +1,6 @@
 """Sharding across processes: gloo ranks, world sizes 1 to 4, against one
 process of torch.optim.AdamW on the same global batches."""
+import math
 import os
 
 import pytest
@@ -531,3 +532,23 @@ def test_torch_clips_reach_the_grads_in_the_shards(world_size, stage):
                                  "foreach"], True, True),
             ("clip_grad_value_", ["parameters", "clip_value", "foreach"], True, True)]
         assert result["after"] == result["before"]          # nothing was scaled
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_torch_clips_keep_torch_rules_at_their_edges(stage):
+    """A NaN grad under the inf norm, bf16 grads, a frozen param, and grads
+    beside the optimizer's that one rank alone has: each as torch on the
+    same model whole (every rank takes the same batch)."""
+    for result in run_ranks(workers.torch_clips_at_their_edges, 2, stage):
+        (ours, theirs), (ours_raised, theirs_raised) = result["nan"]
+        assert math.isnan(ours) and math.isnan(theirs), result["nan"]
+        assert ours_raised == theirs_raised == "non-finite", result["nan"]
+        for ours, theirs in result["bf16"]:             # bf16 values: equal, not close
+            assert ours == theirs, result["bf16"]
+        ours, theirs = result["frozen"]["norms"]      # fp32: within rounding
+        assert ours == pytest.approx(theirs, rel=1e-5)
+        assert result["frozen"]["diff"] < 1e-6, result["frozen"]
+        ours, theirs = result["beside"]
+        assert ours == pytest.approx(theirs, rel=1e-5)
+        assert result["warned"] == [
+            "`parameters` is an empty generator, no gradient clipping will occur."]

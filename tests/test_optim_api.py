@@ -1,6 +1,7 @@
 """ZeroAdamW's surface: buckets and views, grads, groups, state dicts, reports."""
 import copy
 import io
+import math
 
 import pytest
 import torch
@@ -272,6 +273,22 @@ def test_clip_grad_norm_over_some_params_matches_torch(norm_type):
     ref_opt.step()
     for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
+
+
+def test_an_inf_norm_over_a_nan_grad_is_nan_as_in_torch():
+    """A NaN in a later group's grads was dropped by the maximum over them."""
+    model, ref = _model(), _model()
+    opt = rlhfz.ZeroAdamW([{"params": model[0].parameters()},
+                           {"params": model[2].parameters()}])
+    x = torch.randn(8, 13)
+    for m in (model, ref):
+        m(x).pow(2).mean().backward()
+        m[2].weight.grad[0, 0] = float("nan")
+    ours = opt.clip_grad_norm_(1.0, "inf")
+    theirs = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0, "inf")
+    assert math.isnan(float(ours)) and math.isnan(float(theirs))
+    with pytest.raises(RuntimeError, match="non-finite"):
+        opt.clip_grad_norm_(1.0, "inf", error_if_nonfinite=True)
 
 
 def test_get_total_norm_and_clip_grads_with_norm_match_torch():

@@ -94,7 +94,7 @@ class Communicator:
         if hint not in self.control.hints:
             self.control.hints.append(hint)
 
-    def all_reduce_sum_host(self, value: float) -> float:
+    def all_reduce_sum_host(self, value: float | torch.Tensor) -> float | torch.Tensor:
         return self.control.all_reduce_sum_host(value)
 
     def all_reduce_max_control(self, tensor: torch.Tensor, call: str) -> None:

@@ -201,15 +201,18 @@ class ControlPlane:
             raise self.absent(call, error) from error
         return box[0]
 
-    def all_reduce_sum_host(self, value: float) -> float:
-        """The sum over ranks of a host float, in double (whatever the data
-        engine: nccl takes no CPU tensors)."""
-        summed = torch.tensor([value], dtype=torch.float64)
+    def all_reduce_sum_host(self, value: float | torch.Tensor) -> float | torch.Tensor:
+        """The sum over ranks of a host float, or of each value of a CPU
+        tensor, in double (whatever the data engine: nccl takes no CPU
+        tensors)."""
+        many = isinstance(value, torch.Tensor)
+        summed = (value.to(torch.float64, copy=True) if many
+                  else torch.tensor([value], dtype=torch.float64))
         try:
             dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=self.group)
         except RuntimeError as error:
             raise self.absent("the grad-norm all-reduce", error) from error
-        return summed.item()
+        return summed if many else summed.item()
 
     def all_reduce_max(self, tensor: torch.Tensor, call: str) -> None:
         """A MAX all-reduce of a small CPU tensor, in place."""

@@ -66,6 +66,10 @@ class HostBackend:
         reads first is what this pass left in the cache."""
         return sum(_C.sumsq(view) for view in reversed(views))
 
+    def sumsq_each(self, views) -> list[float]:
+        """Each view's sum of squares, in double."""
+        return [_C.sumsq(view) for view in views]
+
     def scale_(self, view, factor: float) -> None:
         _C.scale_(view, factor)
 
@@ -187,6 +191,10 @@ class CudaBackend:
         if not launched:
             return 0.0
         return struct.unpack("d", _C.cuda_fetch(out, 0, 8, stream=stream))[0]
+
+    def sumsq_each(self, views) -> list[float]:
+        """Each view's sum of squares, in double: a host read each."""
+        return [self.sumsq([view]) for view in views]
 
     def scale_(self, view, factor: float) -> None:
         _C.cuda_scale_(view, factor, stream=self.stream())

@@ -422,30 +422,66 @@ class ShardEngine:
                     bucket.flat_grad_shard[lo:hi].clamp_(-value, value)
         self.grads_changed()
 
-    def norm(self, plans, norm_type: float = 2.0) -> float:
+    def norm(self, plans, norm_type: float = 2.0) -> tuple[float, float | None]:
         """The global norm of the grads, as torch.nn.utils.clip_grad_norm_
-        computes it over whole grads (a collective across ranks). The
-        2-norm runs on rlhfz's kernels; other p > 0 and inf on torch's, over
-        the same shard ranges (their zero padding changes no such norm)."""
-        if norm_type == 2.0:
-            return math.sqrt(self.sumsq(plans))
-        self.settle_grads()
+        computes it over whole grads (a collective across ranks), and their
+        sum of squares where it was taken (else None). torch takes each
+        tensor's norm in the grad's dtype, then the norm of those: for
+        16-bit grads that rounding shows, so each param's norm is taken over
+        its shards and rounded as torch rounds it. A 2-norm of 32-bit grads
+        is the exact one, on rlhfz's fused kernels (torch's differs from it
+        by rounding in the last bits)."""
         if not (norm_type > 0 or norm_type == math.inf):
             raise ValueError(f"norm_type must be > 0 or inf, not {norm_type}: a norm of the "
                              f"shards with zero padding would differ from torch's")
-        grads = [p.bucket.flat_grad_shard[lo:hi] for p in plans for _, _, lo, hi in p.segments]
-        if norm_type == math.inf:
-            local = max((float(g.abs().max()) for g in grads if g.numel()), default=0.0)
-            if self.comm is None:
-                return local
-            value = torch.tensor([local], dtype=torch.float64)
-            self.comm.all_reduce_max_control(value, "clip_grad_norm_")
-            return float(value)
-        local = sum(float(torch.linalg.vector_norm(g, norm_type, dtype=torch.float64))
-                    ** norm_type for g in grads)
-        if self.comm is not None:
-            local = self.comm.all_reduce_sum_host(local)
-        return local ** (1.0 / norm_type)
+        if norm_type == 2.0 and all(p.bucket.dtype.itemsize >= 4 for p in plans):
+            sumsq = self.sumsq(plans)
+            return math.sqrt(sumsq), sumsq
+        self.settle_grads()
+        grads, dtypes = [], []
+        for plan in plans:     # every rank lists the same params: those with a grad anywhere
+            bucket = plan.bucket
+            for index, has_grad in enumerate(plan.present):
+                if has_grad:
+                    lo, hi = bucket.shard.local[index]
+                    grads.append((bucket, lo, hi))
+                    dtypes.append(bucket.dtype)
+        if not grads:
+            return 0.0, 0.0
+        if norm_type == 2.0:
+            held = [i for i, (_, lo, hi) in enumerate(grads) if hi > lo]
+            parts = self.backend.sumsq_each([grads[i][0].grad_shard_kview_range(*grads[i][1:])
+                                             for i in held])
+            totals = torch.zeros(len(grads), dtype=torch.float64)
+            totals[held] = torch.tensor(parts, dtype=torch.float64)
+        else:
+            # the max is exact in any dtype; a sum of powers is taken in double
+            wide = None if norm_type == math.inf else torch.float64
+            totals = torch.stack([
+                torch.linalg.vector_norm(b.flat_grad_shard[lo:hi], norm_type, dtype=wide)
+                .to("cpu", torch.float64) if hi > lo else torch.zeros((), dtype=torch.float64)
+                for b, lo, hi in grads])
+            if norm_type != math.inf:
+                totals = totals.pow(norm_type)
+        totals = self._combine_shards(totals, norm_type)
+        each = totals if norm_type == math.inf else totals.pow(1.0 / norm_type)
+        norms = torch.stack([value.to(dtype) for value, dtype in zip(each, dtypes)])
+        total = float(torch.linalg.vector_norm(norms, norm_type))
+        return total, (float(totals.sum()) if norm_type == 2.0 else None)
+
+    def _combine_shards(self, totals: torch.Tensor, norm_type: float) -> torch.Tensor:
+        """Each param's sum of |g|**p (or max |g|) over its shards on every
+        rank. A NaN anywhere stays NaN, as in torch: a MAX all-reduce may
+        drop one, so NaNs go as a flag beside the values."""
+        if self.comm is None:
+            return totals
+        if norm_type != math.inf:
+            return self.comm.all_reduce_sum_host(totals)
+        nan = totals.isnan()
+        both = torch.cat([totals.masked_fill(nan, 0.0), nan.to(torch.float64)])
+        self.comm.all_reduce_max_control(both, "clip_grad_norm_")
+        values, flags = both.chunk(2)
+        return values.masked_fill(flags > 0, math.nan)
 
     def clip(self, plans, total: float, max_norm: float, dtype: torch.dtype,
              sumsq: float | None = None, in_place: bool = False) -> None:
