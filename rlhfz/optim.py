@@ -658,6 +658,10 @@ class ZeroAdamW(Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None, grad_scaler=None):
+        if self._closed:
+            raise RuntimeError("step() on a ZeroAdamW that was closed: it let go of the "
+                               "params' grads, and its groups may be gone; build a new "
+                               "optimizer to train on")
         stage3 = self.stage3
         if stage3 is not None and (stage3.suspended or stage3.keep):
             raise RuntimeError(
@@ -878,13 +882,18 @@ class ZeroAdamW(Optimizer):
         stage 3 across ranks the model stays sharded: its forward,
         generation, state_dict and save_pretrained work, and its params
         keep their shards for the model's life, so another optimizer over
-        them (rlhfz's or torch's) is refused with an error that says so."""
+        them (rlhfz's or torch's) is refused with an error that says so; the
+        process groups stay for the model's collectives. Any collective
+        through the closed optimizer itself raises CollectiveError."""
         self._closed = True
+        _LIVE.discard(self)         # it owns no model's params for the integrations
         unwatch_torch_grad_calls(self)
         _let_go(self._engines)
         from .engine import release_pinned
         try:
-            if self.comm is not None:
+            module = getattr(self, "module", None)
+            record = sharding_of_model(module) if module is not None else None
+            if self.comm is not None and (record is None or record.comm is not self.comm):
                 self.comm.destroy()
         finally:
             release_pinned()

@@ -317,6 +317,21 @@ def _entries(record, inner, adapters: str):
     return entries, unit_of
 
 
+def _check_sendable(name: str, t, sharded: bool) -> None:
+    """A tensor src can send as it is: dense, with memory, and not a
+    module's extra state of another kind than a tensor."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} is a {type(t).__name__} (a module's extra state): weight "
+                         f"sync sends tensors; have get_extra_state return one, or carry it "
+                         f"to the receivers another way")
+    if t.layout != torch.strided:
+        raise ValueError(f"{name} is a {t.layout} tensor: weight sync sends dense tensors; "
+                         f"make it dense (to_dense()) in the model first")
+    if t.is_meta and not sharded:
+        raise ValueError(f"{name} is on the meta device and holds no values to send: load "
+                         f"the model's weights first")
+
+
 class _Sender:
     """What every trainer of the sending side does: the same gathers in the
     same order; the sender alone packs and sends."""
@@ -330,6 +345,7 @@ class _Sender:
         self.memory = {}                 # home -> (its gathered bucket or None, a tensor in it)
         planned = []
         for unit, name, t, merge in entries:
+            _check_sendable(name, t, id(t) in slots)
             # every floating tensor, as torch's module.to(dtype) casts them
             sent = dtype if dtype is not None and t.is_floating_point() else t.dtype
             shape = tuple(whole_shape(slots, t))
@@ -361,7 +377,8 @@ class _Sender:
             self.memory.setdefault(home, (bucket, t))
             return home, bucket.layout.slots[index].offset * bucket.itemsize
         plain = type(t) in (torch.nn.Parameter, torch.Tensor) and t.layout == torch.strided
-        if self.stage3 is not None or not plain or not t.is_contiguous():
+        # a conjugate or negative view's memory holds other values than it reads
+        if self.stage3 is not None or not plain or not t.is_contiguous() or _lazy(t):
             return None
         storage = t.untyped_storage()
         home = ("storage", t.device.type, t.device.index, storage.data_ptr())
@@ -482,7 +499,8 @@ class _Sender:
         if self._last is not None and self._last[0] == index:
             return self._last[1]
         _, _, t, merge = self.entries[index]
-        value = (merged(t, *merge) if merge is not None else t.detach()).reshape(-1)
+        value = merged(t, *merge) if merge is not None else _resolved(t.detach())
+        value = value.reshape(-1)
         self._last = (index, value) if merge is not None else None
         return value
 
@@ -504,16 +522,21 @@ def sync_weights(model, group, *, src: int = 0, bucket_bytes: int = 256 << 20, d
     started = time.perf_counter()
     me = dist.get_rank()
     member = in_group(group)
-    if member and me != src:
-        raise ValueError(f"rank {me} is in the weight-sync group but is not src ({src}): the "
-                         f"other trainers stay out of it, and a receiver calls receive_weights")
-    if me == src and not member:
-        raise ValueError(f"src (rank {src}) is not in the weight-sync group: the group holds "
-                         f"the sending trainer and every receiver")
     comm = _trainers(model)
-    channel = BroadcastChannel(group, src) if me == src else None
+    # src, or a trainer wrongly in the group: it then takes the refusal as a
+    # receiver would, so that src's broadcast of it completes
+    channel = BroadcastChannel(group, src) if member else None
     sender, refusal = None, None
     try:
+        # refused on every trainer alike: one that raised alone here would
+        # leave the others waiting, and their collectives out of step after
+        if member and me != src:
+            raise ValueError(f"rank {me} is in the weight-sync group but is not src ({src}): "
+                             f"the other trainers stay out of it, and a receiver calls "
+                             f"receive_weights")
+        if me == src and not member:
+            raise ValueError(f"src (rank {src}) is not in the weight-sync group: the group "
+                             f"holds the sending trainer and every receiver")
         _check_send_args(bucket_bytes, dtype, adapters, checksum)
         if comm is not None and src not in comm.members:
             raise ValueError(f"src (rank {src}) is not one of the training model's ranks "
@@ -534,7 +557,7 @@ def sync_weights(model, group, *, src: int = 0, bucket_bytes: int = 256 << 20, d
         if channel is not None:
             # what the caller must hear is the refusal, not that no receiver came to hear it
             with contextlib.suppress(CollectiveError):
-                channel.object({"format": FORMAT, "refused": str(failed)})
+                channel.object({"format": FORMAT, "refused": str(failed)} if me == src else None)
         if refusal is None:
             raise disagreed
         raise WeightSyncError(f"sync_weights: {refusal}") from refusal
@@ -741,25 +764,36 @@ def _send_buckets(sender: _Sender, channel: BroadcastChannel, checksum: bool,
     return buffers.nbytes(), copied[0]
 
 
+def _lazy(t: torch.Tensor) -> bool:
+    """Whether t reads other values than its memory holds (a conjugate or
+    negative view)."""
+    return t.is_conj() or t.is_neg()
+
+
+def _resolved(t: torch.Tensor) -> torch.Tensor:
+    return t.resolve_conj().resolve_neg() if _lazy(t) else t
+
+
 def _host_bytes(t: torch.Tensor):
-    return t.detach().reshape(-1).view(torch.uint8).cpu().numpy()
+    return _resolved(t.detach()).reshape(-1).view(torch.uint8).cpu().numpy()
 
 
 # ---- receiving ---------------------------------------------------------------------------
 
-def _check_manifest(manifest, record, inner) -> tuple[list, list, str | None]:
-    """(the receiver's tensors in the manifest's order, the buckets, or an
-    error)."""
+def _check_manifest(manifest, record, inner) -> tuple[list, list, list, str | None]:
+    """(the receiver's tensors in the manifest's order, the buckets, the
+    (module, tensor) of each extra state to set, or an error)."""
     if not isinstance(manifest, dict) or not str(manifest.get("format")).startswith(
             "rlhfz.weight_sync."):
-        return [], [], f"not an rlhfz weight-sync manifest ({type(manifest).__name__})"
+        return [], [], [], f"not an rlhfz weight-sync manifest ({type(manifest).__name__})"
     if manifest["format"] != FORMAT:
-        return [], [], (f"the sender speaks {manifest['format']}, this receiver {FORMAT}: run "
+        return [], [], [], (f"the sender speaks {manifest['format']}, this receiver {FORMAT}: run "
                         f"the same rlhfz on both sides")
     if record is not None and record.stage3 is not None:
-        return [], [], ("receive_weights loads a plain, unsharded model (a generation "
+        return [], [], [], ("receive_weights loads a plain, unsharded model (a generation "
                         "worker's); this one is sharded")
     mine, seen = {}, set()
+    extra_state = _extra_state_keys(inner)
     for name, t in inner.state_dict(keep_vars=True).items():
         if id(t) not in seen:
             seen.add(id(t))
@@ -777,7 +811,10 @@ def _check_manifest(manifest, record, inner) -> tuple[list, list, str | None]:
         t = mine.get(name)
         if t is None:
             continue
-        if list(t.shape) != list(shape) or _dtype_name(t.dtype) != dtype:
+        if not isinstance(t, torch.Tensor):
+            wrong.append(f"{name}: a tensor sent, a {type(t).__name__} here (a module's "
+                         f"extra state)")
+        elif list(t.shape) != list(shape) or _dtype_name(t.dtype) != dtype:
             wrong.append(f"{name}: {dtype}{list(shape)} sent, {_dtype_name(t.dtype)}"
                          f"{list(t.shape)} here")
         elif not t.is_contiguous():
@@ -803,10 +840,22 @@ def _check_manifest(manifest, record, inner) -> tuple[list, list, str | None]:
         if unwritable:
             parts.append(f"not writable here: {unwritable[:3]}"
                          + (" ..." if len(unwritable) > 3 else ""))
-        return [], [], "the weights sent do not fit this model: " + "; ".join(parts)
+        return [], [], [], "the weights sent do not fit this model: " + "; ".join(parts)
     specs = [(tuple(t.shape), t.dtype) for t in targets]
     buckets, error = check_plan(manifest.get("buckets"), specs, manifest.get("bucket_bytes"))
-    return targets, buckets, error
+    # a module's extra state is a tensor get_extra_state made for the state
+    # dict: it lands there, and goes in through set_extra_state, as torch's
+    # load_state_dict does
+    settle = [(extra_state[name], t) for (name, _, _), t in zip(manifest["tensors"], targets)
+              if name in extra_state]
+    return targets, buckets, settle, error
+
+
+def _extra_state_keys(inner) -> dict:
+    """{state-dict key: module} of the modules with extra state."""
+    return {(f"{name}." if name else "") + "_extra_state": module
+            for name, module in inner.named_modules()
+            if type(module).get_extra_state is not torch.nn.Module.get_extra_state}
 
 
 def receive_weights(model, group, *, src: int = 0) -> dict:
@@ -828,7 +877,7 @@ def receive_weights(model, group, *, src: int = 0) -> dict:
     if isinstance(manifest, dict) and manifest.get("refused") is not None:
         raise WeightSyncError(f"receive_weights: the sender refused the sync: "
                               f"{manifest['refused']}")
-    targets, buckets, error = _check_manifest(manifest, record, inner)
+    targets, buckets, settle, error = _check_manifest(manifest, record, inner)
     verdict = channel.verdict(error)
     if error is not None:
         raise WeightSyncError(f"receive_weights: {error}")
@@ -859,6 +908,13 @@ def receive_weights(model, group, *, src: int = 0) -> dict:
             raise WeightSyncError(f"receive_weights: checksum mismatch: {verdict}")
     elif channel.chained:
         channel.verdict(None)                   # src hears that every receiver holds it all
+    for module, value in settle:
+        try:
+            module.set_extra_state(value)
+        except Exception as error:
+            raise WeightSyncError(f"receive_weights: the weights are loaded, but "
+                                  f"{type(module).__name__}.set_extra_state refused the extra "
+                                  f"state sent: {error!r}") from error
     return {"tensors": len(targets), "buckets": len(buckets),
             "bytes": sum(math.prod(s) * d.itemsize for s, d in specs),
             "seconds": time.perf_counter() - started}
@@ -877,7 +933,7 @@ def _receive_buckets(buckets, specs, targets, channel: BroadcastChannel) -> None
         device holds it."""
         index, start, count, _ = piece
         target = targets[index]
-        if target.device != channel.device:
+        if target.device != channel.device or _lazy(target):
             return None
         return target.detach().view(-1)[start:start + count].view(torch.uint8)
 

@@ -292,6 +292,22 @@ def sync_refused_by_the_sender(rank, world_size):
                      **ask)
         seconds.append(time.perf_counter() - started)
     whole = _params(model) if rank == 2 else _whole(model)
+    # the other trainer in the sync group too: refused there, and every rank
+    # hears of it at once, the trainers still in step after
+    everyone = dist.new_group([0, 1, 2])
+    started = time.perf_counter()
+    try:
+        if rank == 2:
+            rlhfz.receive_weights(model, everyone, src=0)
+        else:
+            rlhfz.sync_weights(model, everyone, src=0)
+    except Exception as error:      # noqa: BLE001 - its text is the result
+        errors.append(f"{type(error).__name__}: {error}")
+    seconds.append(time.perf_counter() - started)
+    if rank == 2:
+        rlhfz.receive_weights(model, sync, src=0)
+    else:
+        rlhfz.sync_weights(model, sync if rank == 0 else None, src=0)
     return {"errors": errors, "seconds": seconds, "whole": whole}
 
 
@@ -815,3 +831,103 @@ def sync_last_receiver_stops(rank, world_size, where):
     if rank == 2:
         time.sleep(12)                          # alive past the others' timeouts
     return {"error": error, "seconds": seconds, "again": again}
+
+
+class _Scaled(torch.nn.Module):
+    """A layer with extra state beside its weights (as fp8 modules keep their
+    scales), and a complex weight."""
+
+    def __init__(self, seed: int, amax, conj: bool = False):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.lin = torch.nn.Linear(4, 4)
+        weight = torch.randn(3, dtype=torch.complex64)
+        # a conjugate view reads other values than its memory holds
+        self.phase = torch.nn.Parameter(weight.conj() if conj else weight)
+        self.amax = amax
+
+    def get_extra_state(self):
+        return torch.tensor([self.amax]) if isinstance(self.amax, float) else self.amax
+
+    def set_extra_state(self, state):
+        self.amax = float(state[0])
+
+    def forward(self, x):
+        return self.lin(x) * self.amax + self.phase.real.sum()
+
+
+def sync_unusual_tensors(rank, world_size):
+    """Rank 0 sends a plain model to rank 1. A module's extra state goes in
+    through set_extra_state and complex weights with torch's conjugate bit
+    (on either side) read as sent; a sender holding what it cannot send (a
+    sparse buffer, a param on the meta device, extra state that is not a
+    tensor) is refused on both sides before a byte moves, and the next sync
+    over the same group goes through."""
+    os.environ["RLHFZ_COLLECTIVE_TIMEOUT"] = "20"
+    sync = dist.new_group([0, 1])
+    out = {"errors": []}
+    model = _Scaled(rank, 7.0 if rank == 0 else 1.0, conj=rank == 0)
+    for checksum in (False, True):
+        call = rlhfz.sync_weights if rank == 0 else rlhfz.receive_weights
+        call(model, sync, src=0, **({"checksum": checksum} if rank == 0 else {}))
+    out["amax"] = model.amax
+    out["phase"] = model.phase.detach().resolve_conj().clone()
+    out["logits"] = model(torch.ones(2, 4)).detach()
+    receiver = _Scaled(5, 1.0, conj=True)      # its memory holds the conjugates
+    if rank == 0:
+        rlhfz.sync_weights(model, sync, src=0, bucket_bytes=16)
+    else:
+        rlhfz.receive_weights(receiver, sync, src=0)
+        out["into_conj"] = receiver.phase.detach().resolve_conj().clone()
+    for spoil in ("sparse", "meta", "extra"):
+        sender = _Scaled(0, 7.0)
+        if spoil == "sparse":
+            sender.register_buffer("mask", torch.eye(4).to_sparse())
+        elif spoil == "meta":
+            sender.lin.weight = torch.nn.Parameter(torch.empty(4, 4, device="meta"))
+        else:
+            sender.amax = {"amax": 7.0}
+        if rank == 0:
+            _attempt(out["errors"], rlhfz.sync_weights, sender, sync, src=0)
+        else:
+            before = _params(model)
+            _attempt(out["errors"], rlhfz.receive_weights, model, sync, src=0)
+            assert all(torch.equal(before[n], p) for n, p in _params(model).items())
+    call = rlhfz.sync_weights if rank == 0 else rlhfz.receive_weights
+    call(model, sync, src=0)                          # the group goes on
+    return out
+
+
+def sync_after_the_optimizer_closed(rank, world_size):
+    """Ranks 0 and 1 train over a group of their own at stage 3, then stage 2,
+    and close the optimizer; rank 2 receives. A closed optimizer's groups
+    were set to None, which torch reads as the whole world's: the sharded
+    model's forward, state dict and sync then failed, and a closed
+    optimizer still counted as the params' owner."""
+    os.environ["RLHFZ_COLLECTIVE_TIMEOUT"] = "20"
+    train = dist.new_group([0, 1])
+    sync = dist.new_group([0, 2])
+    out = {}
+    for stage in (3, 2):
+        model = tiny_lm("gpt2")
+        if rank == 2:
+            rlhfz.receive_weights(model, sync, src=0)
+            out[stage] = _logits(model)
+            continue
+        opt = rlhfz.ZeroAdamW(model if stage == 3 else model.parameters(), stage=stage,
+                              lr=1e-2, process_group=train, param_persistence_threshold=64)
+        for ids in batches(2):
+            opt.zero_grad()
+            lm_loss(model, ids[rank::2]).backward()
+            opt.step()
+        opt.close()
+        if stage == 2:
+            torch.optim.AdamW(model.parameters())     # whatever comes next
+        rlhfz.sync_weights(model, sync if rank == 0 else None, src=0)
+        out[stage] = _logits(model)
+        out[f"{stage} state_dict"] = len(model.state_dict())
+        try:
+            opt.step()
+        except Exception as error:      # noqa: BLE001 - its kind and text are the result
+            out[f"{stage} step"] = f"{type(error).__name__}: {error}"
+    return out

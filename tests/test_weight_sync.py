@@ -383,10 +383,13 @@ def test_a_receiver_that_cannot_be_written_is_refused_everywhere_and_the_group_g
 def test_a_sync_the_sender_refuses_fails_on_every_rank_at_once():
     results = run_ranks(workers.sync_refused_by_the_sender, 3)
     for rank, result in enumerate(results):
-        assert len(result["errors"]) == 2, (rank, result["errors"])
+        assert len(result["errors"]) == 3, (rank, result["errors"])
         assert "bucket_bytes" in result["errors"][0] and "PEFT" in result["errors"][1]
-        assert max(result["seconds"][:2]) < 15, result["seconds"]      # not a timeout
+        assert max(result["seconds"][:2] + result["seconds"][3:]) < 15, result["seconds"]
     assert all("the sender refused the sync" in e for e in results[2]["errors"])
+    # a trainer in the sync group says why; the others hear that it refused
+    assert "rank 1 is in the weight-sync group but is not src" in results[1]["errors"][2]
+    assert "'refused': True" in results[0]["errors"][2]
     for name, value in results[0]["whole"].items():
         assert torch.equal(results[2]["whole"][name], value), name
 
@@ -465,3 +468,25 @@ def test_a_receiver_down_the_chain_that_stops_fails_the_sender_and_the_others(wh
         again = results[1]["again"]
         assert again is not None and again.startswith("CollectiveError"), again
         assert "dist.new_group" in again, again
+
+
+def test_extra_state_and_conjugate_weights_sync_and_what_cannot_be_sent_is_refused():
+    sender, receiver = run_ranks(workers.sync_unusual_tensors, 2)
+    assert receiver["amax"] == 7.0                  # torch's load_state_dict sets it so
+    assert torch.equal(receiver["phase"], sender["phase"])
+    assert torch.equal(receiver["into_conj"], sender["phase"])
+    assert torch.equal(receiver["logits"], sender["logits"])
+    for errors in (sender["errors"], receiver["errors"]):
+        assert len(errors) == 3, errors
+        assert "dense" in errors[0] and "meta device" in errors[1] and "extra state" in errors[2]
+    assert all("the sender refused the sync" in e for e in receiver["errors"])
+
+
+def test_a_closed_optimizer_leaves_the_model_syncing_over_its_own_group():
+    first, second, receiver = run_ranks(workers.sync_after_the_optimizer_closed, 3)
+    for stage in (3, 2):
+        assert torch.equal(first[stage], second[stage])
+        assert torch.equal(receiver[stage], first[stage])
+        assert first[f"{stage} state_dict"] == second[f"{stage} state_dict"] > 0
+    for stage in (3, 2):
+        assert "was closed" in first[f"{stage} step"], first

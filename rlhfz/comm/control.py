@@ -48,6 +48,11 @@ def timeout_delta() -> datetime.timedelta:
 
 
 _LOST = "lost contact with another of the {n} ranks, whose process ended or failed"
+# a group released by ZeroAdamW.close(): torch reads a None group as the
+# whole world's, so a released one must not become None
+RELEASED = ("rank {rank}: this collective runs on process groups that ZeroAdamW.close() "
+            "released; the closed optimizer's ranks can take no more collective steps "
+            "through it (a new ZeroAdamW, or shard_model, makes groups of its own)")
 
 
 def _timed_out(error: Exception) -> bool:
@@ -133,7 +138,13 @@ class ControlPlane:
         if self.shared:
             _check_carries_cpu(process_group)
             self.timeout_name = "the process group's own timeout"
-        self.group = self.new_group()
+        self._group = self.new_group()
+
+    @property
+    def group(self):
+        if self._group is None:
+            raise CollectiveError(RELEASED.format(rank=self.rank))
+        return self._group
 
     def new_group(self):
         """Another gloo group over the plane's ranks, with its timeout (the
@@ -152,7 +163,7 @@ class ControlPlane:
                             rows=self.rows)
 
     def destroy(self) -> None:
-        group, self.group = self.group, None
+        group, self._group = self._group, None
         if group is not None and not self.shared:
             dist.destroy_process_group(group)
 

@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from ..engine.layout import rank_range, shard_size
-from .control import ControlPlane, all_gather_flat, collective_timeout, reduce_scatter_flat
+from .control import (RELEASED, CollectiveError, ControlPlane, all_gather_flat,
+                      collective_timeout, reduce_scatter_flat)
 
 GLOO_PIECE_BYTES = 4 << 20
 
@@ -135,10 +136,19 @@ class TorchEngine:
         # that stalls (a rank alive but elsewhere) ends at rlhfz's timeout
         # and frees gloo's threads; on the caller's group it would hold them,
         # and the process's exit, until that group's timeout.
-        self.data = control.new_group() if self.gloo else process_group
+        self._data = control.new_group() if self.gloo else process_group
+        self._released = False
+
+    @property
+    def data(self):
+        if self._released:
+            raise CollectiveError(RELEASED.format(rank=self.rank))
+        return self._data
 
     def destroy(self) -> None:
-        own, self.data = (self.data if self.gloo and not self.control.shared else None), None
+        own = self._data if self.gloo and not self.control.shared else None
+        # the group object holds its sockets until the last reference goes
+        self._data, self._released = None, True
         if own is not None:
             dist.destroy_process_group(own)
 
