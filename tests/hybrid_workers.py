@@ -213,3 +213,31 @@ def mesh_arguments(rank, world_size):
         trained[name + "_dims"] = sorted(opt.comm.traffic_by_dimension())
         opt.close()
     return {"errors": errors, "trained": trained}
+
+
+def crossed_meshes(rank, world_size):
+    """2 x 2 meshes in other orders than init_device_mesh's: those whose
+    groups torch numbers alike in every replica train as the plain layout
+    does; one that crosses them ([[0, 3], [2, 1]]: ranks 0 and 2 replicate
+    each other holding shards 0 and 1) is refused by the optimizer and by
+    shard_model, where it averaged different shards' grads without a word."""
+    names = ("replicate", "shard")
+    out = {"refused": {}, "trained": {}}
+    crossed = DeviceMesh("cpu", [[0, 3], [2, 1]], mesh_dim_names=names)
+    for what, build in (("optimizer", lambda: rlhfz.ZeroAdamW(
+            dist_workers.make_model().parameters(), stage=2, device_mesh=crossed)),
+            ("shard_model", lambda: rlhfz.shard_model(tiny_lm("gpt2"), device_mesh=crossed))):
+        try:
+            build()
+            out["refused"][what] = None
+        except ValueError as error:
+            out["refused"][what] = str(error)
+    data = dist_workers.batches(3)
+    for layout in ([[0, 1], [2, 3]], [[3, 2], [1, 0]], [[0, 2], [1, 3]]):
+        model = dist_workers.make_model()
+        mesh = DeviceMesh("cpu", layout, mesh_dim_names=names)
+        opt = rlhfz.ZeroAdamW(model.parameters(), lr=1e-3, stage=2, device_mesh=mesh)
+        dist_workers.train(model, opt, data, rank, world_size)
+        out["trained"][str(layout)] = [p.detach().clone() for p in model.parameters()]
+        opt.close()
+    return out

@@ -147,3 +147,18 @@ def test_meshes_are_checked_and_a_1d_mesh_is_a_process_group():
         for a, b, c in zip(trained["line"], trained["unnamed_row"], trained["group"]):
             assert torch.equal(a, c) and torch.equal(b, c)
         assert trained["line_dims"] == trained["group_dims"] == ["shard"]
+
+
+def test_a_mesh_whose_groups_torch_numbers_across_the_layout_is_refused():
+    results = run_ranks(workers.crossed_meshes, 4)
+    for result in results:
+        for what, error in result["refused"].items():
+            assert error is not None and "ascending order" in error, (what, error)
+        trained = list(result["trained"].values())
+        for other in trained[1:]:
+            for a, b in zip(trained[0], other):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    for rank in range(1, 4):          # replicas alike
+        for a, b in zip(results[0]["trained"]["[[0, 1], [2, 3]]"],
+                        results[rank]["trained"]["[[0, 1], [2, 3]]"]):
+            assert torch.equal(a, b)

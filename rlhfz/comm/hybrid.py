@@ -62,6 +62,24 @@ def mesh_dims(mesh) -> tuple[int | None, int]:
     return names.index("replicate"), names.index("shard")
 
 
+def check_mesh_order(grid: list[list[int]]) -> None:
+    """Refuses a mesh whose ranks torch's groups would number across the
+    layout: a group numbers its ranks in ascending order, not the mesh's, so
+    in [[0, 3], [2, 1]] ranks 0 and 2 replicate each other while holding
+    shards 0 and 1 (averaging different shards' grads, with no error), and
+    ranks 0 and 1 both lead their replicas. grid: (replicas, shard ranks)."""
+    shard_of = {r: sorted(row).index(r) for row in grid for r in row}
+    replica_of = {r: sorted(column).index(r) for column in zip(*grid) for r in column}
+    crossed = ([list(c) for c in zip(*grid) if len({shard_of[r] for r in c}) > 1]
+               + [row for row in grid if len({replica_of[r] for r in row}) > 1])
+    if crossed:
+        raise ValueError(
+            f"the device_mesh {grid} (replicas x shard ranks) orders its ranks so that the "
+            f"ranks {crossed[0]} would hold different shards or replicas: torch numbers a "
+            f"group's ranks in ascending order, not the mesh's. Order each shard group's "
+            f"ranks alike in every replica, as init_device_mesh does ([[0, 1], [2, 3]])")
+
+
 def check_mesh_device(mesh, device: torch.device) -> None:
     """The mesh's groups carry the params' device's tensors (nccl for CUDA)."""
     if device.type in ("cpu", "cuda") and mesh.device_type != device.type:
@@ -133,6 +151,7 @@ class HybridCommunicator(Communicator):
 
     def __init__(self, mesh, replicate_dim: int, shard_dim: int):
         grid = mesh.mesh if replicate_dim == 0 else mesh.mesh.T   # (replicas, shard ranks)
+        check_mesh_order(grid.tolist())
         whole_job = mesh.size() == dist.get_world_size()
         super().__init__(mesh.get_group(shard_dim), rows=grid.tolist() if whole_job else None)
         try:
