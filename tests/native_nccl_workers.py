@@ -87,15 +87,42 @@ def torch_clips(rank, world_size, collectives, stage):
                 torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
                 torch.nn.utils.clip_grad_value_(plain.parameters(), 0.01)
             else:
-                norms.append((float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)),
-                              float(torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.05))))
+                # the 2-norm on rlhfz's kernels; others each param's, on torch's
+                order = (2.0, "inf", 3.0)[step // 2]
+                norms.append(
+                    (float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05, order)),
+                     float(torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.05, order))))
             opt.step()
             ref.step()
         with rlhfz.gather_for_generation(model):
             ours = {name: p.detach().clone() for name, p in model.named_parameters()}
         diff = max(float((ours[name] - p.detach()).abs().max())
                    for name, p in plain.named_parameters())
-        return {"norms": norms, "diff": diff, "backend": type(opt.backend).__name__}
+        return {"norms": norms, "diff": diff, "backend": type(opt.backend).__name__,
+                "bf16": _bf16_norms(collectives, stage)}
+    finally:
+        opt.close()
+
+
+def _bf16_norms(collectives, stage):
+    """torch's clip_grad_norm_ of bf16 grads in device shards, and of the
+    same whole grads (every rank takes the whole batch): each param's norm
+    rounded to bf16 before the norm of those, as torch rounds them."""
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(Net().to(torch.bfloat16))
+    model, plain = models
+    opt = rlhfz.ZeroAdamW(model if stage == 3 else model.parameters(), lr=1e-3, stage=stage,
+                          collectives=collectives, param_persistence_threshold=0,
+                          wrap=(torch.nn.Sequential,) if stage == 3 else None)
+    try:
+        x, y = _batch(0, 0, 1, torch.bfloat16)
+        for m in models:
+            torch.nn.functional.mse_loss(m(x), y).backward()
+        return [(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9, order)),
+                 float(torch.nn.utils.clip_grad_norm_(plain.parameters(), 1e9, order)))
+                for order in (2.0, "inf")]
     finally:
         opt.close()
 

@@ -139,6 +139,8 @@ def test_torch_clips_reach_shards_on_the_device(monkeypatch, collectives, stage)
         for ours, theirs in out["norms"]:
             assert theirs > 0.05 and ours == pytest.approx(theirs, rel=1e-5), out
         assert out["diff"] < 5e-6, out
+        for ours, theirs in out["bf16"]:          # bf16 values: equal, not close
+            assert ours == theirs, out["bf16"]
 
 
 @needs_simulator
