@@ -333,7 +333,8 @@ class ZeroAdamW(Optimizer):
                  "state": translate.gathered_state(self.engine, self.param_groups)}
         self._rebuild(backend_for(target), target, self._built_storage)
         index_to_param = translate.check_state_dict(self.engine, self.param_groups, moved)
-        translate.load_checked(self.engine, self.param_groups, moved, index_to_param)
+        translate.load_checked(self.engine, self.param_groups, moved, index_to_param,
+                               self.defaults)
 
     def _cannot_rebuild(self) -> str | None:
         """Why the buckets cannot be built anew here (None: they can). They
@@ -804,7 +805,7 @@ class ZeroAdamW(Optimizer):
             index_to_param = translate.check_state_dict(self.engine, self.param_groups,
                                                         state_dict)
         translate.load_checked(self.engine, self.param_groups, state_dict, index_to_param,
-                               options)
+                               self.defaults, options)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 

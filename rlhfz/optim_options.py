@@ -51,6 +51,11 @@ def check_unsupported(options: dict[str, Any]) -> None:
                          "of rlhfz.ZeroAdamW")
     if options.get("differentiable"):
         raise ValueError("differentiable=True is not supported by rlhfz.ZeroAdamW")
+    if not options.get("decoupled_weight_decay", True):
+        # torch's Adam steps with this flag; its AdamW keeps it True
+        raise ValueError("decoupled_weight_decay=False (Adam's L2 weight decay, added to the "
+                         "grad) is not supported by rlhfz.ZeroAdamW, which steps AdamW's "
+                         "decoupled decay: leave it True")
     if options.get("foreach") and options.get("fused"):
         raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
 
@@ -143,6 +148,31 @@ def check_params(tensors: list, device: torch.device, groups) -> None:
         for q in group["params"]:
             if id(q) in seen:
                 raise ValueError("some parameters appear in more than one parameter group")
+    check_no_shared_memory(tensors + [q for group in groups for q in group["params"]])
+
+
+def check_no_shared_memory(params: list) -> None:
+    """Two params over the same memory (Parameter(t) twice, or views of one
+    tensor): torch's AdamW applies both updates to that memory, where rlhfz
+    would give each a bucket slot of its own and untie them."""
+    spans = {}
+    for p in params:
+        storage = p.untyped_storage()
+        if p.is_meta or storage.nbytes() == 0 or p.numel() == 0:
+            continue
+        start = p.storage_offset() * p.element_size()
+        reach = sum((n - 1) * abs(k) for n, k in zip(p.shape, p.stride())) + 1
+        spans.setdefault((p.device, storage.data_ptr()), []).append(
+            (start, start + reach * p.element_size(), tuple(p.shape)))
+    for runs in spans.values():
+        runs.sort()
+        for (_, end, shape), (start, _, other) in zip(runs, runs[1:]):
+            if start < end:
+                raise ValueError(
+                    f"two parameters share memory (shapes {shape} and {other}): torch's "
+                    f"AdamW would apply both updates to it, and rlhfz keeps each param in a "
+                    f"slot of its own, which would untie them. Tie them as one Parameter "
+                    f"(as tied embeddings are), or give each its own memory (clone())")
 
 
 def common_device(params: list) -> torch.device:

@@ -157,7 +157,8 @@ def check_state_dict(engine, param_groups, state_dict) -> dict:
                              f"{len(saved['params'])} params, the optimizer's has "
                              f"{len(group['params'])}")
         options = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
-        check_group({**group, **options})
+        # as loaded: AdamW's decoupled decay whatever the dict says (load_checked)
+        check_group({**group, **options, "decoupled_weight_decay": True})
         index_to_param.update(zip(saved["params"], group["params"]))
     for key, entry in saved_state.items():
         if key not in index_to_param:
@@ -219,12 +220,22 @@ def copied_options(state_dict) -> list[dict]:
             for saved in state_dict["param_groups"]]
 
 
-def load_checked(engine, param_groups, state_dict, index_to_param, options=None) -> None:
+def load_checked(engine, param_groups, state_dict, index_to_param, defaults: dict,
+                 options=None) -> None:
     """Writes a state dict that check_state_dict passed: group options
-    (copied_options) and each rank's part of the state."""
+    (copied_options) and each rank's part of the state. Each group becomes
+    the saved one, as in torch: a key the dict lacks goes (a scheduler's
+    stale initial_lr would otherwise set the next one's base lr), but for
+    the optimizer's own options, which keep their values; AdamW's
+    decoupled_weight_decay is True whatever the dict says (a torch Adam
+    dict's False), as torch's AdamW sets it."""
     options = copied_options(state_dict) if options is None else options
     for copied, group in zip(options, param_groups):
+        for key in [k for k in group if k not in ("params", "param_names")
+                    and k not in defaults and k not in copied]:
+            del group[key]
         group.update(copied)
+        group["decoupled_weight_decay"] = True
     loaded = {id(index_to_param[k]): entry for k, entry in state_dict["state"].items()}
     stale = []
     for bucket in engine.buckets:

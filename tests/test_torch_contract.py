@@ -143,6 +143,63 @@ def test_param_names_saved_are_kept_on_load_as_in_torch():
         assert opt.state_dict()["param_groups"][0].get("param_names") == ["weight", "bias"], cls
 
 
+def test_a_loaded_group_is_the_saved_one_as_in_torch():
+    """torch rebuilds each group from the saved one: a key the dict lacks
+    (a scheduler's initial_lr) goes, so a scheduler made after the load
+    starts from the loaded lr; rlhfz kept the stale key (10x the lr)."""
+    results = []
+    for cls in (torch.optim.AdamW, rlhfz.ZeroAdamW):
+        model, opt = _model_and(cls)
+        for group in opt.param_groups:
+            group["lr"] = 0.1
+        torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1.0)     # initial_lr = 0.1
+        saved = _model_and(cls)[1].state_dict()                        # lr 0.01, no initial_lr
+        opt.load_state_dict(saved)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 0.5 ** epoch)
+        _steps(model, opt, 3)
+        results.append((sorted(opt.param_groups[0]), scheduler.base_lrs,
+                        [p.detach().clone() for p in model.parameters()]))
+    (torch_keys, torch_base, torch_params), (keys, base, params) = results
+    assert set(torch_keys) <= set(keys) and "initial_lr" in keys
+    assert base == torch_base == [0.01]
+    for a, b in zip(params, torch_params):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_adams_l2_decay_is_refused_and_an_adam_dict_loads_as_adamw_as_in_torch():
+    """torch's AdamW is Adam with decoupled_weight_decay=True: a group set to
+    False steps Adam's L2 decay there, which rlhfz does not implement (it
+    stepped AdamW regardless); loading an Adam dict sets it back to True."""
+    model, opt = _model_and(rlhfz.ZeroAdamW, weight_decay=0.1)
+    _steps(model, opt, 1)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.param_groups[0]["decoupled_weight_decay"] = False
+    with pytest.raises(ValueError, match="decoupled_weight_decay=False"):
+        _steps(model, opt, 1)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    adam = torch.optim.Adam(model.parameters(), weight_decay=0.1)
+    for cls in (torch.optim.AdamW, rlhfz.ZeroAdamW):
+        opt = _model_and(cls)[1]
+        opt.load_state_dict(adam.state_dict())
+        assert opt.param_groups[0]["decoupled_weight_decay"] is True, cls
+
+
+def test_params_over_the_same_memory_are_refused():
+    """torch's AdamW applies both params' updates to their one memory; rlhfz
+    gave each a slot of its own, untying them without a word."""
+    base = torch.randn(2, 4)
+    twins = [torch.nn.Parameter(base), torch.nn.Parameter(base)]
+    overlapping = [torch.nn.Parameter(base[0]), torch.nn.Parameter(base.view(-1)[2:6])]
+    for params in (twins, overlapping):
+        with pytest.raises(ValueError, match="share memory"):
+            rlhfz.ZeroAdamW(params)
+    opt = rlhfz.ZeroAdamW([torch.nn.Parameter(torch.ones(3))])
+    with pytest.raises(ValueError, match="share memory"):
+        opt.add_param_group({"params": twins})
+    assert len(opt.param_groups) == 1
+    rlhfz.ZeroAdamW([torch.nn.Parameter(base[0]), torch.nn.Parameter(base[1])])   # apart
+
+
 def _model_and(cls, **options):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
