@@ -218,7 +218,7 @@ def mismatched_sizes_then_destroy(rank, world_size):
     destroyed = _outcome(comm.destroy)
     return {"first": first, "second": second, "destroy": destroyed,
             "stream_closed": comm.data.stream.handle == 0,
-            "control_released": comm.control.group is None}
+            "control_released": comm.control.released}
 
 
 def refused_constructor(rank, world_size):

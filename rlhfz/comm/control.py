@@ -146,6 +146,11 @@ class ControlPlane:
             raise CollectiveError(RELEASED.format(rank=self.rank))
         return self._group
 
+    @property
+    def released(self) -> bool:
+        """Whether destroy() let the group go."""
+        return self._group is None
+
     def new_group(self):
         """Another gloo group over the plane's ranks, with its timeout (the
         process group itself where it is shared). Every rank constructs the
