@@ -42,6 +42,18 @@ _ATTRIBUTE = "_rlhfz_stage3"
 _SYNCED_GENERATION = "_is_fsdp_managed_module"
 
 
+# on every module inside a stage-3 model: the Stage3 of the model it is part of
+_PART = "_rlhfz_stage3_part"
+
+
+def mark_parts(model, stage3) -> None:
+    """Every module under the sharded model knows whose part it is, so that
+    gather_for_generation on one (a wrapper's policy) gathers the model."""
+    for module in model.modules():
+        if module is not model:
+            setattr(module, _PART, stage3)
+
+
 def synced_generation(model, on: bool) -> None:
     """Marks (or unmarks) a sharded model's modules for transformers'
     synced generation."""
@@ -73,14 +85,16 @@ def stage3_of(model):
     return getattr(unwrap_model(model), _ATTRIBUTE, None)
 
 
-def refuse_while_gathered(optimizer, action: str) -> None:
-    """Raises RuntimeError while the optimizer's stage-3 params are gathered:
-    shards loaded or moved under gathered params (`action`: "load",
-    "offload") would disagree with the gathered copies."""
-    stage3 = getattr(optimizer, "stage3", None)
+def refuse_while_gathered(owner, action: str) -> None:
+    """Raises RuntimeError while the stage-3 params of `owner` (an optimizer,
+    or a sharded model's record) are gathered: shards loaded or moved under
+    gathered params (`action`: "load", "offload") would disagree with the
+    gathered copies a forward reads."""
+    stage3 = getattr(owner, "stage3", None)
     if stage3 is not None and (stage3.suspended or stage3.keep or stage3.gathered_bytes()):
         raise RuntimeError("the model's params are gathered (a gather_for_generation context "
-                           f"is open, or a forward is running): {action} after it closes")
+                           "is open, a forward is running, or a backward raised before it "
+                           f"ended, until zero_grad()): {action} after it closes")
 
 
 def _check(enabled, budget_bytes) -> None:
@@ -93,7 +107,9 @@ def _check(enabled, budget_bytes) -> None:
 @contextlib.contextmanager
 def gather_for_generation(model, enabled: bool = True, budget_bytes: int | None = None):
     _check(enabled, budget_bytes)
-    stage3 = stage3_of(model)
+    # a part of a sharded model (a wrapper's policy beside its value head)
+    # is gathered as that model, whose units it runs in
+    stage3 = stage3_of(model) or getattr(unwrap_model(model), _PART, None)
     if stage3 is None:
         yield model
         return

@@ -238,6 +238,7 @@ class ZeroAdamW(Optimizer):
                 self.sharding = record
                 self.stage3 = record.stage3
                 reducer = self.engine.reducer
+                self.engine.trail = self.stage3.take_trail
                 reducer.after_flush = self.stage3.release_all
                 reducer.round_ended = self.stage3.round_ended
                 # reductions launch where every rank is at the same point

@@ -18,6 +18,7 @@ import torch
 from .checkpoint.safetensors_out import (INDEX_FILE, SINGLE_FILE, SafetensorsWriter,
                                          drop_stale_weights, nbytes)
 from .engine import split_by_bytes
+from .generation import refuse_while_gathered
 from .lora_export import adapter_units, is_peft, merge_plan, merged
 from .model_state import sync_buckets, unwrapped, whole_shape
 from .progress import progress
@@ -255,6 +256,7 @@ def load_pretrained(model, path) -> None:
     from safetensors import safe_open
     path = os.fspath(path)
     record, inner = unwrapped(model)
+    refuse_while_gathered(record, "load_pretrained")
     files = _files(path)
     wanted, seen = {}, {}
     for name, t in inner.state_dict(keep_vars=True).items():

@@ -27,8 +27,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .comm import communicator_for
 from .engine import DTYPE_NAMES, FrozenBucket, ShardEngine, backend_for
-from .generation import synced_generation, unwrap_model
-from .stage3 import Stage3, assign_params
+from .generation import mark_parts, synced_generation, unwrap_model
+from .stage3 import COPY_REFUSED, Stage3, assign_params
 from .state_dict_hooks import install_hooks
 
 ATTRIBUTE = "_rlhfz_sharding"
@@ -119,17 +119,14 @@ class ShardedModel:
                 state_dict_timeout(), "RLHFZ_STATE_DICT_TIMEOUT")
             install_hooks(self)
             synced_generation(model, True)
+            mark_parts(model, self.stage3)
             _refuse_conversions(model, weakref.ref(self))
             if hasattr(model, "resize_token_embeddings"):
                 model.resize_token_embeddings = _refuse_resize
 
     def __deepcopy__(self, memo):
         if self.stage3 is not None:
-            raise TypeError(
-                "a model sharded at stage 3 across ranks cannot be deep-copied: between "
-                "uses its params are empty placeholders and their values live in rlhfz's "
-                "shards. Copy the model before ZeroAdamW(stage=3) or shard_model (as TRL's "
-                "create_reference_model would), or build the copy anew and shard_model it")
+            raise TypeError(COPY_REFUSED)
         copied = type(self).__new__(type(self))
         memo[id(self)] = copied
         for key, value in self.__dict__.items():

@@ -43,6 +43,11 @@ ROOT = "<root>"
 # set (to anything but 0): every rank checks before each gather that the
 # others gather the same unit
 CHECK_UNITS = "RLHFZ_CHECK_UNITS"
+COPY_REFUSED = (
+    "a model sharded at stage 3 across ranks, or a part of one, cannot be deep-copied: "
+    "between uses its params are empty placeholders and their values live in rlhfz's "
+    "shards. Copy the model before ZeroAdamW(stage=3) or shard_model (as TRL's "
+    "create_reference_model would), or build the copy anew and shard_model it")
 _CHECKED = "a stage-3 gather"
 DIVERGED = (f"At stage 3, ranks that run different units (a layer one rank skips, as "
             f"LayerDrop does; a branch around a whole unit) end this way too, or crash inside "
@@ -190,6 +195,10 @@ class Stage3:
     def __init__(self, comm, units: list[tuple[torch.nn.Module, list]], root=None):
         self.comm = comm
         comm.explain_failures(DIVERGED)
+        # a digest of the units this rank gathered since the last step: ranks
+        # that ran different units paired gathers of different units, whose
+        # shards mix without an error where their sizes agree
+        self.trail = 0
         self.root = root
         self.units = []                       # [(module, [buckets])]
         self.handles = []
@@ -288,8 +297,18 @@ class Stage3:
 
     # ---- gathering --------------------------------------------------------------------
 
+    def __deepcopy__(self, memo):
+        # reached through any module of the model (generation.mark_parts)
+        raise TypeError(COPY_REFUSED)
+
     def gathered_bytes(self) -> int:
         return self._gathered
+
+    def take_trail(self) -> dict:
+        """What the ranks agree on at the step: the units gathered since."""
+        trail, self.trail = self.trail, 0
+        return {"the stage-3 units gathered since the last step (a digest: ranks that differ "
+                "ran different units, whose gathers mixed their shards)": trail}
 
     def unit_bytes(self, index: int) -> int:
         return sum(b.layout.padded_numel * b.itemsize for b in self.units[index][1])
@@ -308,6 +327,8 @@ class Stage3:
                 works.append(bucket.gather(self.comm, async_op=async_op,
                                            root=self.gather_rank))
                 self._gathered += bucket.gathered_bytes()
+        if works:
+            self.trail = (self.trail * 1_000_003 + index + 1) % (1 << 61)
         self._whole.add(index)
         self.peak_bytes = max(self.peak_bytes, self._gathered)
         return works

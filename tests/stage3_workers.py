@@ -591,3 +591,76 @@ def in_place_on_a_saved_input(sharded: bool, rank: int = 0, world_size: int = 1)
 
 def in_place_on_a_saved_input_sharded(rank, world_size):
     return in_place_on_a_saved_input(True, rank, world_size)
+
+
+def one_rank_runs_a_unit_again(rank, world_size):
+    """Every rank runs the whole model; rank 1 then runs its first unit again
+    and takes its loss from that alone. The ranks' gathers and reductions
+    pair across different units, and the step went on with the params off
+    by 1e-2 and no error. The step now refuses, naming the units gathered."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    opt = rlhfz.ZeroAdamW(model, lr=0.01, stage=3, param_persistence_threshold=0)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(rank))
+    model(x).square().mean().backward()
+    opt.step()                                     # alike on both ranks
+    opt.zero_grad()
+    loss = model(x).square().mean()
+    if rank == 1:
+        loss = model[0](x).square().mean()
+    loss.backward()
+    try:
+        opt.step()
+    except rlhfz.comm.CollectiveMismatchError as error:
+        return str(error)
+    return None
+
+
+class _PolicyAndValue(torch.nn.Module):
+    """A policy and a value head under one wrapper, the optimizer built over
+    the wrapper (as OpenRLHF and TRL's PPO hold them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.policy = tiny_lm("gpt2")
+        self.value = torch.nn.Linear(32, 1)
+
+
+def loads_and_parts_inside_a_gather(rank, world_size, tmp):
+    """Inside gather_for_generation: a model-only load_checkpoint or
+    load_pretrained went into the shards while the forward read the whole
+    copies of before (logits 0.5 off the loaded model's), now refused; a
+    context over the policy of a wrapper the optimizer was built over
+    gathered nothing, and now gathers the model; generation under
+    inference_mode made the gathered params inference tensors, and the
+    logits were a rounding off the unsharded model's."""
+    model = tiny_lm("gpt2").eval()
+    rlhfz.ZeroAdamW(model, stage=3, param_persistence_threshold=64)
+    other = tiny_lm("gpt2", seed=9)
+    ck, hf = os.path.join(tmp, "ck"), os.path.join(tmp, "hf")
+    if rank == 0:
+        rlhfz.save_checkpoint(ck, other)
+        other.save_pretrained(hf)
+    torch.distributed.barrier()
+    out = {"refused": []}
+    for load in (lambda: rlhfz.load_checkpoint(ck, model), lambda: rlhfz.load_pretrained(model, hf)):
+        with rlhfz.gather_for_generation(model, budget_bytes=1 << 30):
+            try:
+                load()
+                out["refused"].append(None)
+            except RuntimeError as error:
+                out["refused"].append(str(error))
+    plain = tiny_lm("gpt2").eval()
+    with torch.inference_mode():
+        ours = model(PROMPT).logits[:, -1]
+        theirs = plain(PROMPT).logits[:, -1]
+    out["inference_mode_equal"] = bool(torch.equal(ours, theirs))
+    wrapper = _PolicyAndValue().eval()
+    opt = rlhfz.ZeroAdamW(wrapper, stage=3, param_persistence_threshold=64)
+    with rlhfz.gather_for_generation(wrapper.policy):
+        out["part_gathered"] = opt.stage3.gathered_bytes()
+        out["part_tokens"] = greedy(wrapper.policy)
+    with rlhfz.gather_for_generation(wrapper):
+        out["whole_gathered"] = opt.stage3.gathered_bytes()
+    out["plain_tokens"] = greedy(tiny_lm("gpt2").eval())
+    return out

@@ -271,6 +271,20 @@ def test_a_rank_that_never_enters_makes_the_others_fail():
     assert results[0] != "no error" and "gather_for_generation" in results[0]
 
 
+def test_ranks_that_ran_different_units_are_refused_at_the_step():
+    for error in run_ranks(workers.one_rank_runs_a_unit_again, 2):
+        assert error is not None and "stage-3 units gathered since the last step" in error
+
+
+def test_loads_inside_a_gather_are_refused_and_a_part_gathers_its_model(tmp_path):
+    for out in run_ranks(workers.loads_and_parts_inside_a_gather, 2, str(tmp_path)):
+        assert len(out["refused"]) == 2
+        assert all(e is not None and "gathered" in e for e in out["refused"]), out["refused"]
+        assert out["inference_mode_equal"]
+        assert out["part_gathered"] == out["whole_gathered"] > 0
+        assert torch.equal(out["part_tokens"], out["plain_tokens"])
+
+
 class _Blocks(torch.nn.Module):
     def __init__(self):
         super().__init__()

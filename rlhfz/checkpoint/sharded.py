@@ -25,7 +25,7 @@ from ..generation import refuse_while_gathered, unwrap_model
 from ..engine import (STORED_MAPS, region_dtype, region_numel, region_unit, shard_owner,
                       state_regions)
 from ..progress import progress
-from ..sharding import mark_filled
+from ..sharding import mark_filled, sharding_of_model
 from ..state_dict_hooks import gathered_values
 from ..state_dict import packed_groups
 from .consolidated import MODEL_FILE, load_consolidated
@@ -356,7 +356,8 @@ def load_checkpoint(path, model, optimizer=None):
     raises CheckpointError on every rank and nothing has changed."""
     path = os.fspath(path)
     if optimizer is None:
-        whole_model(model, "load_checkpoint")
+        # loaded into the shards, under whole copies a forward would go on reading
+        refuse_while_gathered(sharding_of_model(whole_model(model, "load_checkpoint")), "load")
     if not os.path.exists(os.path.join(path, INDEX)):
         if os.path.exists(os.path.join(path, MODEL_FILE)):
             load_consolidated(path, model, optimizer)

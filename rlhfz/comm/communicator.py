@@ -74,9 +74,10 @@ class Communicator:
 
     # ---- the control plane -----------------------------------------------------------
 
-    def agree(self, call: str, signature=None) -> None:
-        """Checks that every rank is in `call` with an equal `signature`."""
-        self.control.agree(call, signature)
+    def agree(self, call: str, signature=None, within=None) -> None:
+        """Checks that every rank is in `call` with an equal `signature`, and
+        `within` (a value only the shard group's ranks share) too."""
+        self.control.agree(call, signature if within is None else (signature, within))
 
     def exchange(self, value, call: str) -> list:
         """Every rank's small picklable value, in rank order."""

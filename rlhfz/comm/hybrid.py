@@ -179,10 +179,11 @@ class HybridCommunicator(Communicator):
 
     # ---- the control plane: agreement over the whole mesh ---------------------------
 
-    def agree(self, call: str, signature=None) -> None:
+    def agree(self, call: str, signature=None, within=None) -> None:
         """Within the group, then across replicas: two ranks that disagree
-        meet in one of the hops."""
-        self.control.agree(call, signature)
+        meet in one of the hops (`within`, in the first alone: replicas
+        gather their units apart, generating as many tokens as each needs)."""
+        self.control.agree(call, signature if within is None else (signature, within))
         self.across.control.agree(call, signature)
 
     def statuses(self, value, call: str) -> list:

@@ -451,15 +451,19 @@ class Bucket:
             work = comm.gather_to(root, None, self.flat_param_shard, async_op=async_op)
             self.gathered = (nbytes, None)
             return work
-        flat = self.backend.empty(self.layout.padded_numel, self.dtype)
-        if root is not None:
-            work = comm.gather_to(root, flat, self.flat_param_shard, async_op=async_op)
-        else:
-            work = comm.all_gather(flat, self.flat_param_shard, async_op=async_op)
-        self.gathered = (nbytes, flat)
-        with torch.no_grad():
-            for p, slot in zip(self.params, self.layout.slots):
-                p.data = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        # Made under inference_mode (a generation), the whole params would be
+        # inference tensors, which some of torch's kernels take another way
+        # than the model's own (logits a bit off the unsharded model's).
+        with torch.inference_mode(False):
+            flat = self.backend.empty(self.layout.padded_numel, self.dtype)
+            if root is not None:
+                work = comm.gather_to(root, flat, self.flat_param_shard, async_op=async_op)
+            else:
+                work = comm.all_gather(flat, self.flat_param_shard, async_op=async_op)
+            self.gathered = (nbytes, flat)
+            with torch.no_grad():
+                for p, slot in zip(self.params, self.layout.slots):
+                    p.data = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
         self.gathered_versions = [p._version for p in self.params]
         return work
 

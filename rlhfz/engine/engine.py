@@ -114,6 +114,9 @@ class ShardEngine:
         # The sum of squares of the grads as the next step reads them (clip
         # included), over all ranks, from the last check; None: not known.
         self._step_sumsq: float | None = None
+        # stage 3: what else the shard group's ranks agree on at each plan
+        # (Stage3.take_trail), or None
+        self.trail = None
 
     def use_reducer(self, reducer) -> None:
         """Grads go to the reducer from now on (before any bucket exists)."""
@@ -315,7 +318,8 @@ class ShardEngine:
         averaged again on every rank (self._stale)."""
         flat = [has for present in presence for has in present]
         full = [bucket for bucket in self.buckets if bucket.full_grads]
-        self.comm.agree(f"ZeroAdamW.{call}", {"params": len(flat)})
+        self.comm.agree(f"ZeroAdamW.{call}", {"params": len(flat)},
+                        within=self.trail() if self.trail is not None else None)
         mask = torch.tensor(flat + [not bucket.grads_reduced() for bucket in full],
                             dtype=torch.uint8)
         self.comm.all_reduce_max_control(mask, f"ZeroAdamW.{call}")
