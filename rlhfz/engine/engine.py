@@ -459,12 +459,14 @@ class ShardEngine:
             totals = torch.zeros(len(grads), dtype=torch.float64)
             totals[held] = torch.tensor(parts, dtype=torch.float64)
         else:
-            # the max is exact in any dtype; a sum of powers is taken in double
+            # the max is exact in any dtype; a sum of powers is taken in double.
+            # Stacked where the grads are, then one read to the host.
             wide = None if norm_type == math.inf else torch.float64
-            totals = torch.stack([
-                torch.linalg.vector_norm(b.flat_grad_shard[lo:hi], norm_type, dtype=wide)
-                .to("cpu", torch.float64) if hi > lo else torch.zeros((), dtype=torch.float64)
-                for b, lo, hi in grads])
+            parts = [torch.linalg.vector_norm(b.flat_grad_shard[lo:hi], norm_type, dtype=wide)
+                     .to(torch.float64) if hi > lo
+                     else b.flat_grad_shard.new_zeros((), dtype=torch.float64)
+                     for b, lo, hi in grads]
+            totals = torch.stack([t.to(parts[0].device) for t in parts]).cpu()
             if norm_type != math.inf:
                 totals = totals.pow(norm_type)
         totals = self._combine_shards(totals, norm_type)
