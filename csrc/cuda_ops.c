@@ -263,28 +263,38 @@ static PyObject *cuda_sumsq_workspace_bytes(PyObject *module, PyObject *unused)
 static PyObject *cuda_sumsq(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
                             PyObject *kwnames)
 {
-    static const char *const names[] = {"x", "out", "workspace", "accumulate", "stream", NULL};
-    enum { X, OUT, WORKSPACE, ACCUMULATE, STREAM, NSLOTS };
+    static const char *const names[] = {"x", "out", "workspace", "accumulate", "index", "stream",
+                                        NULL};
+    enum { X, OUT, WORKSPACE, ACCUMULATE, INDEX, STREAM, NSLOTS };
     PyObject *slots[NSLOTS];
     if (rlhfz_parse_args("cuda_sumsq", args, nargs, kwnames, names, 3, 3, slots) < 0)
         return NULL;
     elementwise_launch_args a = {.accumulate = 0};
     void *stream;
+    int64_t index = 0;
     if ((slots[ACCUMULATE] != NULL && (a.accumulate = PyObject_IsTrue(slots[ACCUMULATE])) < 0) ||
+        (slots[INDEX] != NULL && rlhfz_arg_int64(slots[INDEX], "index", &index) < 0) ||
         rlhfz_arg_stream(slots[STREAM], &stream) < 0)
         return NULL;
+    if (index < 0 || (uint64_t)index >= SIZE_MAX / sizeof(double)) {
+        PyErr_Format(PyExc_ValueError, "index must be a slot of out, not %lld", (long long)index);
+        return NULL;
+    }
     rlhfz_borrowed b = {.count = 0};
     rlhfz_array *x = borrow(module, &b, slots[X], "x", 0, stream);
     if (x == NULL)
         return NULL;
     int device = x->device.device_id;
     size_t workspace_bytes = sumsq_workspace_bytes();
-    if (device_scalar(module, slots[OUT], "out", sizeof(double), device, &b, &a.scalar) < 0 ||
+    /* out holds a double per index: many sums land in one buffer, read back at once */
+    if (device_scalar(module, slots[OUT], "out", ((size_t)index + 1) * sizeof(double), device, &b,
+                      &a.scalar) < 0 ||
         device_scalar(module, slots[WORKSPACE], "workspace", workspace_bytes, device, &b,
                       &a.workspace) < 0) {
         rlhfz_borrowed_release(&b);
         return NULL;
     }
+    a.scalar = (double *)a.scalar + index;
     if ((char *)a.scalar < (char *)a.workspace + workspace_bytes &&
         (char *)a.workspace < (char *)a.scalar + sizeof(double)) {
         PyErr_SetString(PyExc_ValueError, "out and workspace overlap in memory");
@@ -553,9 +563,9 @@ PyMethodDef rlhfz_cuda_ops_methods[] = {
      "device_hparams: the hyperparameters and the step (which keys stochastic rounding)\n"
      "are the keyword values."},
     {"cuda_sumsq", (PyCFunction)(void (*)(void))cuda_sumsq, METH_FASTCALL | METH_KEYWORDS,
-     "cuda_sumsq(x, out, workspace, *, accumulate=False, stream=None)\n\n"
-     "The sum of squares of x, as a double in the first 8 bytes of the device Buffer out\n"
-     "(added to it with accumulate). workspace: a device Buffer of\n"
+     "cuda_sumsq(x, out, workspace, *, accumulate=False, index=0, stream=None)\n\n"
+     "The sum of squares of x, as the double out[index] of the device Buffer out (added\n"
+     "to it with accumulate). workspace: a device Buffer of\n"
      "cuda_sumsq_workspace_bytes(). Deterministic; Inf or NaN iff x holds one."},
     {"cuda_sumsq_workspace_bytes", cuda_sumsq_workspace_bytes, METH_NOARGS,
      "cuda_sumsq_workspace_bytes() -> int: the scratch cuda_sumsq needs."},

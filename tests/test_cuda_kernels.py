@@ -424,6 +424,44 @@ def test_sumsq_accumulates_in_double():
 
 @pytest.mark.gpu
 @needs_device
+def test_sumsq_writes_each_sum_to_its_own_slot_and_leaves_the_others():
+    sizes = [1, 7, 4097, 9, 100_003]
+    out = _C.Buffer(8 * (len(sizes) + 1), tier="device")
+    _, workspace = _sumsq_buffers()
+    stream = current_stream()
+    _C.cuda_store(out, 0, struct.pack(f"{len(sizes) + 1}d", *([-1.0] * (len(sizes) + 1))),
+                  stream=stream)
+    gen = torch.Generator().manual_seed(5)
+    arrays = [Guarded(torch.randn(n, generator=gen).to(torch.bfloat16), i % 2)
+              for i, n in enumerate(sizes)]
+    # backwards, so a slot written past its own would show in a later one
+    for index in reversed(range(len(sizes))):
+        _C.cuda_sumsq(arrays[index].arg, out, workspace, index=index, stream=stream)
+    _C.cuda_sumsq(arrays[0].arg, out, workspace, index=2, accumulate=True, stream=stream)
+    got = struct.unpack(f"{len(sizes) + 1}d", _C.cuda_fetch(out, 0, 8 * (len(sizes) + 1),
+                                                             stream=stream))
+    for index, (n, a) in enumerate(zip(sizes, arrays)):
+        alone = _sumsq(a.arg, *_sumsq_buffers())
+        expected = alone + (_sumsq(arrays[0].arg, *_sumsq_buffers()) if index == 2 else 0.0)
+        assert got[index] == expected, index
+        assert alone == pytest.approx(math.fsum((a.host().double() ** 2).tolist()), rel=1e-12)
+    assert got[-1] == -1.0, "a slot no launch named was written"
+
+
+@pytest.mark.gpu
+@needs_device
+@pytest.mark.parametrize("index, error", [(-1, ValueError), (2, ValueError), (2**62, ValueError),
+                                          (2**63, ValueError), (1.0, TypeError)])
+def test_sumsq_refuses_a_slot_past_out(index, error):
+    out = _C.Buffer(16, tier="device")
+    _, workspace = _sumsq_buffers()
+    with pytest.raises(error, match="index|out"):
+        _C.cuda_sumsq(Guarded(torch.ones(4), 0).arg, out, workspace, index=index,
+                      stream=current_stream())
+
+
+@pytest.mark.gpu
+@needs_device
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 @pytest.mark.parametrize("offset", [0, 1])

@@ -265,6 +265,28 @@ def test_clip_grad_norm_matches_torch():
     assert all(torch.equal(p.grad, g) for p, g in zip(ours.parameters(), grads))
 
 
+def test_bf16_clip_reads_every_params_sum_from_the_device_at_once(monkeypatch):
+    """torch rounds each bf16 grad's norm before the total: rlhfz sums each
+    param on the device, and a host read per param would wait on the
+    stream once per param, so the sums come back in one read."""
+    ours, ref = _nets(dtype=torch.bfloat16)
+    opt = rlhfz.ZeroAdamW(ours.parameters(), lr=1e-3)
+    x, y = _batch(torch.Generator().manual_seed(4), torch.bfloat16)
+    for net in (ours, ref):
+        (100 * torch.nn.functional.mse_loss(net(x), y)).backward()
+    reads = []
+    fetch = _C.cuda_fetch
+    monkeypatch.setattr(_C, "cuda_fetch", lambda *a, **k: reads.append(a[2]) or fetch(*a, **k))
+    norm = opt.clip_grad_norm_(1.0)
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+    monkeypatch.undo()
+    assert ref_norm.item() > 1.0
+    assert norm.item() == ref_norm.item()
+    assert reads == [8 * len(list(ours.parameters()))], reads
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+
+
 def _snapshot(opt, params):
     state = {id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in params}
     return [p.detach().clone() for p in params], state

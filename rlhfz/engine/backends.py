@@ -97,6 +97,7 @@ class CudaBackend:
 
     def _init_state(self) -> None:
         self._sumsq_scalars = None
+        self._sumsq_slots = None      # sumsq_each's results, kept to the most views yet
         self._copy_stream = None
         self._pending_frees: list[tuple] = []     # (event, buffers)
 
@@ -193,8 +194,21 @@ class CudaBackend:
         return struct.unpack("d", _C.cuda_fetch(out, 0, 8, stream=stream))[0]
 
     def sumsq_each(self, views) -> list[float]:
-        """Each view's sum of squares, in double: a host read each."""
-        return [self.sumsq([view]) for view in views]
+        """Each view's sum of squares, in double: one launch per view, each
+        into its own slot of one device buffer, and one host read of them all."""
+        views = list(views)
+        if not views:
+            return []
+        stream = self.stream()
+        _, workspace = self._sumsq_buffers()
+        if self._sumsq_slots is None or self._sumsq_slots.nbytes < 8 * len(views):
+            self._sumsq_slots = _C.Buffer(8 * len(views), tier="device", device=self.index,
+                                          zero=False)
+        out = self._sumsq_slots
+        for index, view in enumerate(views):
+            _C.cuda_sumsq(view, out, workspace, index=index, stream=stream)
+        sums = _C.cuda_fetch(out, 0, 8 * len(views), stream=stream)
+        return list(struct.unpack(f"{len(views)}d", sums))
 
     def scale_(self, view, factor: float) -> None:
         _C.cuda_scale_(view, factor, stream=self.stream())
