@@ -25,8 +25,8 @@ from .module_zero_grad import watch as watch_zero_grad
 from .torch_grad_calls import unwatch as unwatch_torch_grad_calls
 from .torch_grad_calls import watch as watch_torch_grad_calls
 from .optim_edits import StateEntries, check_group_params
-from .optim_options import (check_engine_options, check_group, check_hparams, check_params,
-                            check_state_dtype, check_unsupported, common_device,
+from .optim_options import (check_constructor_hparams, check_engine_options, check_group,
+                            check_params, check_state_dtype, check_unsupported, common_device,
                             group_hparams, group_storage)
 from .reducer import GradReducer
 from .sharding import check_sharded_model, shard_with, sharding_of, sharding_of_model
@@ -141,7 +141,7 @@ class ZeroAdamW(Optimizer):
                              param_persistence_threshold=param_persistence_threshold,
                              reduce_dtype=reduce_dtype, collectives=collectives,
                              bucket_bytes=bucket_bytes)
-        check_hparams(lr, betas, eps, weight_decay)
+        check_constructor_hparams(lr, betas, eps, weight_decay, foreach, capturable)
         check_state_dtype(state_dtype, min_8bit_size)
         check_unsupported(dict(amsgrad=amsgrad, capturable=capturable,
                                differentiable=differentiable, foreach=foreach, fused=fused))

@@ -24,22 +24,43 @@ def _number(name: str, value) -> float:
 
 
 def check_hparams(lr, betas, eps, weight_decay) -> None:
-    lr = _number("lr", lr)
-    if not (math.isfinite(lr) and lr >= 0.0):
+    """Each value range torch checks; a message names the value as given."""
+    if not (math.isfinite(_number("lr", lr)) and _number("lr", lr) >= 0.0):
         raise ValueError(f"Invalid learning rate: {lr}")
-    eps = _number("eps", eps)
-    if not (math.isfinite(eps) and eps >= 0.0):
+    if not (math.isfinite(_number("eps", eps)) and _number("eps", eps) >= 0.0):
         raise ValueError(f"Invalid epsilon value: {eps}")
     if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
         raise ValueError(f"betas must be a pair of floats, not {betas!r}")
-    beta1, beta2 = (_number(f"betas[{i}]", b) for i, b in enumerate(betas))
-    if not 0.0 <= beta1 < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 0: {beta1}")
-    if not 0.0 <= beta2 < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 1: {beta2}")
-    weight_decay = _number("weight_decay", weight_decay)
-    if not (math.isfinite(weight_decay) and weight_decay >= 0.0):
+    for i, beta in enumerate(betas):
+        if not 0.0 <= _number(f"betas[{i}]", beta) < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
+    decay = _number("weight_decay", weight_decay)
+    if not (math.isfinite(decay) and decay >= 0.0):
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+
+def check_constructor_hparams(lr, betas, eps, weight_decay, foreach, capturable) -> None:
+    """check_hparams, with what torch.optim.AdamW's constructor alone
+    refuses, in its words and order: a tensor lr or beta with foreach=True,
+    and betas that are not both floats or both tensors (an int beta too)."""
+    per_tensor = foreach and not capturable
+    if isinstance(lr, torch.Tensor):
+        if per_tensor:
+            raise ValueError("lr as a Tensor is not supported for capturable=False and "
+                             "foreach=True")
+        if lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+    check_hparams(lr, betas, eps, weight_decay)
+    floats = all(isinstance(b, float) for b in betas)
+    if not floats and not all(isinstance(b, torch.Tensor) for b in betas):
+        raise ValueError("betas must be either both floats or both Tensors")
+    for i, beta in enumerate(betas):
+        if isinstance(beta, torch.Tensor):
+            if per_tensor:
+                raise ValueError(f"betas[{i}] as a Tensor is not supported for "
+                                 f"capturable=False and foreach=True")
+            if beta.numel() != 1:
+                raise ValueError(f"Tensor betas[{i}] must be 1-element")
 
 
 def check_unsupported(options: dict[str, Any]) -> None:

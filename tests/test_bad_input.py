@@ -122,6 +122,35 @@ def test_unsupported_or_invalid_options_raise(kwargs, match):
         rlhfz.ZeroAdamW([torch.nn.Parameter(torch.ones(2))], **kwargs)
 
 
+@pytest.mark.parametrize("kwargs", [
+    {"betas": (0, 0.999)},
+    {"betas": (0.9, 1)},
+    {"betas": (torch.tensor(0.9), 0.999)},
+    {"betas": (torch.tensor(0.9), torch.tensor(0.999)), "foreach": True},
+    {"lr": torch.tensor(1e-3), "foreach": True},
+    {"lr": torch.tensor([1e-3, 1e-3])},
+    {"lr": -1.0, "betas": (0, 0.999)},
+])
+def test_torchs_constructor_refusals_are_refused_in_its_words(kwargs):
+    """What torch.optim.AdamW refuses, ZeroAdamW refuses with the same
+    exception and message."""
+    with pytest.raises(Exception) as theirs:
+        torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], **kwargs)
+    with pytest.raises(type(theirs.value)) as ours:
+        rlhfz.ZeroAdamW([torch.nn.Parameter(torch.ones(2))], **kwargs)
+    assert str(ours.value) == str(theirs.value)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"betas": (torch.tensor(0.9), torch.tensor(0.999))},
+    {"lr": torch.tensor(1e-3)},
+    {"betas": [0.9, 0.99]},
+])
+def test_what_torchs_constructor_takes_zero_adamw_takes(kwargs):
+    torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], **kwargs)
+    rlhfz.ZeroAdamW([torch.nn.Parameter(torch.ones(2))], **kwargs)
+
+
 def test_a_numpy_offload_ratio_is_a_number():
     opt = rlhfz.ZeroAdamW([torch.nn.Parameter(torch.ones(2))], offload="cpu",
                           offload_ratio=np.float32(0.5))
