@@ -23,8 +23,10 @@
 #endif
 
 #include <limits.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 /* ---- argument checking ------------------------------------------------------------ */
 
@@ -128,8 +130,71 @@ typedef struct {
      * communicators are not thread-safe: a second collective or a destroy
      * must wait; abort may not (it is the way out of a hang). */
     int collective_in_flight;
+    /* Made by non-blocking init: any call may return ncclInProgress, and
+     * the next waits until ncclCommGetAsyncError says it is done. */
+    int nonblocking;
+    double timeout_s;            /* how long a call may stay in progress; <= 0: no limit */
     char reason[REASON_BYTES];   /* why the communicator is no longer alive */
 } NcclComm;
+
+/* ---- non-blocking calls ---------------------------------------------------------------- */
+
+static double monotonic_s(void)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (double)now.tv_sec + 1e-9 * (double)now.tv_nsec;
+}
+
+/* Polls ncclCommGetAsyncError until the call in progress is done, or until
+ * `until` (monotonic seconds; *expired then). Runs without the GIL. */
+static ncclResult_t settle(const rlhfz_nccl_library *lib, ncclComm_t comm, double until,
+                           int *expired)
+{
+    long pause_ns = 20000;
+    *expired = 0;
+    for (;;) {
+        ncclResult_t state = ncclInProgress;
+        ncclResult_t result = lib->CommGetAsyncError(comm, &state);
+        if (result != ncclSuccess)
+            return result;
+        if (state != ncclInProgress)
+            return state;
+        if (monotonic_s() >= until) {
+            *expired = 1;
+            return ncclInProgress;
+        }
+        struct timespec pause = {0, pause_ns};
+        nanosleep(&pause, NULL);
+        if (pause_ns < 1000000)
+            pause_ns *= 2;
+    }
+}
+
+/* settle() for init, under the timeout, in slices with the GIL taken back
+ * between them so that Ctrl-C reaches the caller. -1 with an exception set
+ * (a signal handler raised); otherwise 0 and *result, *timed_out. */
+static int settle_init(const rlhfz_nccl_library *lib, ncclComm_t comm, double timeout_s,
+                       ncclResult_t *result, int *timed_out)
+{
+    double deadline = timeout_s > 0 ? monotonic_s() + timeout_s : INFINITY;
+    *timed_out = 0;
+    for (;;) {
+        double slice = monotonic_s() + 0.2;
+        int expired;
+        Py_BEGIN_ALLOW_THREADS
+        *result = settle(lib, comm, slice < deadline ? slice : deadline, &expired);
+        Py_END_ALLOW_THREADS
+        if (!expired)
+            return 0;
+        if (monotonic_s() >= deadline) {
+            *timed_out = 1;
+            return 0;
+        }
+        if (PyErr_CheckSignals() < 0)
+            return -1;
+    }
+}
 
 static const char *state_name(comm_state state)
 {
@@ -194,16 +259,26 @@ static void comm_abort_after_error(NcclComm *self, const char *what, ncclResult_
 
 static PyObject *NcclComm_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
-    static char *kwlist[] = {"unique_id", "world_size", "rank", "device", NULL};
-    PyObject *unique_id_obj, *world_size_obj, *rank_obj, *device_obj;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOO:NcclComm", kwlist, &unique_id_obj,
-                                     &world_size_obj, &rank_obj, &device_obj))
+    static char *kwlist[] = {"unique_id", "world_size", "rank", "device", "timeout", NULL};
+    PyObject *unique_id_obj, *world_size_obj, *rank_obj, *device_obj, *timeout_obj = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOO|$O:NcclComm", kwlist, &unique_id_obj,
+                                     &world_size_obj, &rank_obj, &device_obj, &timeout_obj))
         return NULL;
     int world_size, rank, device;
     ncclUniqueId id;
+    double timeout_s = 0.0;
     if (arg_geometry("NcclComm", world_size_obj, rank_obj, device_obj, &world_size, &rank, &device) < 0 ||
         arg_unique_id(unique_id_obj, &id) < 0)
         return NULL;
+    if (timeout_obj != Py_None) {
+        if (rlhfz_arg_double(timeout_obj, "timeout", &timeout_s) < 0)
+            return NULL;
+        if (!(timeout_s > 0.0)) {
+            PyErr_Format(PyExc_ValueError, "NcclComm: timeout must be None or seconds > 0, not %R",
+                         timeout_obj);
+            return NULL;
+        }
+    }
 
     NcclComm *self = NULL;
     PyObject *capsule = NULL;
@@ -226,12 +301,42 @@ static PyObject *NcclComm_new(PyTypeObject *type, PyObject *args, PyObject *kwar
     self->world_size = world_size;
     self->rank = rank;
     self->device = device;
+    self->timeout_s = timeout_s;
 
-    /* Blocks until all world_size ranks have joined. */
-    Py_BEGIN_ALLOW_THREADS
-    result = lib->CommInitRank(&comm, world_size, id, rank);
-    Py_END_ALLOW_THREADS
-    snprintf(what, sizeof(what), "ncclCommInitRank (rank %d of %d, device %d)", rank, world_size, device);
+    /* A blocking init waits for every rank for ever: one that failed inside
+     * its own init would leave the others there. Non-blocking, each rank
+     * polls, and gives up (aborting) at the timeout. */
+    const char *init_name = "ncclCommInitRank";
+    if (lib->CommInitRankConfig != NULL && lib->version >= RLHFZ_NCCL_CONFIG_VERSION) {
+        rlhfz_nccl_config config = {
+            .size = sizeof(config), .magic = RLHFZ_NCCL_API_MAGIC,
+            .version = RLHFZ_NCCL_CONFIG_VERSION, .blocking = 0,
+            .cgaClusterSize = RLHFZ_NCCL_CONFIG_UNDEF_INT, .minCTAs = RLHFZ_NCCL_CONFIG_UNDEF_INT,
+            .maxCTAs = RLHFZ_NCCL_CONFIG_UNDEF_INT, .netName = NULL};
+        init_name = "ncclCommInitRankConfig";
+        self->nonblocking = 1;
+        Py_BEGIN_ALLOW_THREADS
+        result = lib->CommInitRankConfig(&comm, world_size, id, rank, &config);
+        Py_END_ALLOW_THREADS
+        if ((result == ncclSuccess || result == ncclInProgress) && comm != NULL) {
+            int timed_out;
+            if (settle_init(lib, comm, timeout_s, &result, &timed_out) < 0)
+                goto error;
+            if (timed_out) {
+                PyErr_Format(PyExc_TimeoutError, "%s (rank %d of %d, device %d) did not finish "
+                             "within %g s: another rank failed in it or never called it; the "
+                             "communicator is aborted", init_name, rank, world_size, device,
+                             timeout_s);
+                goto error;
+            }
+        }
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        result = lib->CommInitRank(&comm, world_size, id, rank);
+        Py_END_ALLOW_THREADS
+    }
+    snprintf(what, sizeof(what), "%s (rank %d of %d, device %d)", init_name, rank, world_size,
+             device);
     RLHFZ_NCCL_CHECK(lib, result, what);
 
     /* NCCL binds the communicator to the device current at init. The caller
@@ -252,8 +357,8 @@ static PyObject *NcclComm_new(PyTypeObject *type, PyObject *args, PyObject *kwar
 
 error:
     if (comm != NULL) {
-        /* A failed blocking init normally returns no handle; if NCCL did hand
-         * one back (or the device check refused it), it must be aborted. */
+        /* A failed blocking init normally returns no handle; a non-blocking
+         * one does, and so may the device check: it must be aborted. */
         Py_BEGIN_ALLOW_THREADS
         (void)lib->CommAbort(comm);
         Py_END_ALLOW_THREADS
@@ -562,6 +667,7 @@ static PyObject *run_collective(NcclComm *self, rlhfz_state *state, const coll_a
     ncclResult_t result = ncclSuccess;
     rlhfz_status device_status = RLHFZ_OK;
     int kept = 0;                /* the borrows wait behind `event` */
+    int expired = 0;             /* still in progress at the timeout */
     self->collective_in_flight = 1;
     Py_BEGIN_ALLOW_THREADS
     int previous = self->device;
@@ -571,6 +677,11 @@ static PyObject *run_collective(NcclComm *self, rlhfz_state *state, const coll_a
         device_status = rlhfz_device_enter(self->device, &previous);
     if (device_status == RLHFZ_OK) {
         result = call_nccl(lib, comm, a);
+        /* in progress: queued on the stream only once it settles, so the
+         * fence after it waits for that */
+        if (result == ncclInProgress && self->nonblocking)
+            result = settle(lib, comm, self->timeout_s > 0 ? monotonic_s() + self->timeout_s
+                                                           : INFINITY, &expired);
         if (result == ncclSuccess && keep)
             kept = rlhfz_inflight_fence(&event, a->stream);
         if (keep)
@@ -583,7 +694,12 @@ static PyObject *run_collective(NcclComm *self, rlhfz_state *state, const coll_a
     /* The errors are set here rather than through RLHFZ_NCCL_CHECK's goto:
      * the borrows go on every path, after the exception is set. */
     PyObject *out = NULL;
-    if (result != ncclSuccess) {
+    if (expired) {
+        PyErr_Format(PyExc_TimeoutError, "%s (NcclComm.%s, rank %d of %d) was still in progress "
+                     "after %g s; the communicator is aborted", a->nccl_name, a->method,
+                     self->rank, self->world_size, self->timeout_s);
+        comm_abort(self, "after a call stayed in progress past the timeout");
+    } else if (result != ncclSuccess) {
         char what[160];
         snprintf(what, sizeof(what), "%s (NcclComm.%s, rank %d of %d; the communicator is aborted)",
                  a->nccl_name, a->method, self->rank, self->world_size);
@@ -730,6 +846,8 @@ static PyObject *NcclComm_destroy(NcclComm *self, PyObject *unused)
     Py_BEGIN_ALLOW_THREADS
     result = lib->CommDestroy(comm);
     Py_END_ALLOW_THREADS
+    if (result == ncclInProgress)
+        result = ncclSuccess;    /* a non-blocking communicator's: NCCL finishes it alone */
     RLHFZ_NCCL_CHECK(lib, result, "ncclCommDestroy (NcclComm.destroy)");
     Py_RETURN_NONE;
 error:
@@ -797,11 +915,14 @@ static PyGetSetDef NcclComm_getset[] = {
 };
 
 static PyType_Slot NcclComm_slots[] = {
-    {Py_tp_doc, "NcclComm(unique_id, world_size, rank, device)\n\n"
+    {Py_tp_doc, "NcclComm(unique_id, world_size, rank, device, *, timeout=None)\n\n"
                 "An NCCL communicator over rlhfz borrows (device views, CUDA tensors through\n"
                 "DLPack), checked as the kernels check theirs. The caller makes `device`\n"
-                "current first (torch.cuda.set_device); construction blocks until all\n"
+                "current first (torch.cuda.set_device); construction waits until all\n"
                 "world_size ranks have joined with the same unique_id (nccl_unique_id()).\n"
+                "From NCCL 2.14 the communicator is non-blocking: init, and any call NCCL\n"
+                "leaves in progress, is polled for at most timeout seconds (None: no limit),\n"
+                "then aborted with TimeoutError. Before 2.14 init blocks without a limit.\n"
                 "Call destroy() (or abort()) explicitly: a live communicator is leaked, with a\n"
                 "ResourceWarning, when the object is freed. Any NCCL error aborts it."},
     {Py_tp_new, NcclComm_new},

@@ -64,6 +64,7 @@ static const struct {
     {"ncclGetVersion", offsetof(rlhfz_nccl_library, GetVersion), 1},
     {"ncclGetUniqueId", offsetof(rlhfz_nccl_library, GetUniqueId), 1},
     {"ncclCommInitRank", offsetof(rlhfz_nccl_library, CommInitRank), 1},
+    {"ncclCommInitRankConfig", offsetof(rlhfz_nccl_library, CommInitRankConfig), 0},
     {"ncclCommDestroy", offsetof(rlhfz_nccl_library, CommDestroy), 1},
     {"ncclCommAbort", offsetof(rlhfz_nccl_library, CommAbort), 1},
     {"ncclCommGetAsyncError", offsetof(rlhfz_nccl_library, CommGetAsyncError), 1},

@@ -11,6 +11,7 @@
 
 #include "rlhfz_module.h"
 
+#include <limits.h>
 #include <stddef.h>
 
 /* ---- the NCCL ABI (nccl.h, 2.10 and later) --------------------------------- */
@@ -58,6 +59,25 @@ typedef enum {
     ncclAvg = 4
 } ncclRedOp_t;
 
+/* Communicator options, versioned: NCCL reads `size` bytes of it, and only
+ * the fields `version` had, and keeps its defaults for the rest. These are
+ * the fields of NCCL 2.14, where the struct and non-blocking init appear;
+ * later versions append fields after them. */
+#define RLHFZ_NCCL_CONFIG_VERSION 21400
+#define RLHFZ_NCCL_API_MAGIC 0xcafebeefu
+#define RLHFZ_NCCL_CONFIG_UNDEF_INT INT_MIN
+
+typedef struct {
+    size_t size;
+    unsigned int magic;
+    unsigned int version;
+    int blocking;
+    int cgaClusterSize;
+    int minCTAs;
+    int maxCTAs;
+    const char *netName;
+} rlhfz_nccl_config;
+
 /* The functions rlhfz calls, as pointers resolved with dlsym. */
 typedef struct {
     void *handle;                /* NULL until loaded; never dlclose'd */
@@ -66,6 +86,9 @@ typedef struct {
     ncclResult_t (*GetVersion)(int *version);
     ncclResult_t (*GetUniqueId)(ncclUniqueId *id);
     ncclResult_t (*CommInitRank)(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank);
+    /* NULL before NCCL 2.14 */
+    ncclResult_t (*CommInitRankConfig)(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank,
+                                       rlhfz_nccl_config *config);
     ncclResult_t (*CommDestroy)(ncclComm_t comm);
     ncclResult_t (*CommAbort)(ncclComm_t comm);
     ncclResult_t (*CommGetAsyncError)(ncclComm_t comm, ncclResult_t *async_error);

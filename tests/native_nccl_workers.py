@@ -259,14 +259,20 @@ def bootstrap_fails_on_one_rank(rank, world_size, failing_rank):
     what each rank's communicator raises, how soon, and whether a watchdog
     or a communicator was left behind (NCCL's blocking init would wait for
     the failing rank for ever)."""
+    from rlhfz import _C
+    if rank == failing_rank:
+        _C.cuda_sim_inject("cudaStreamCreateWithFlags:1")
+    return _communicator_outcome()
+
+
+def _communicator_outcome():
+    """Makes a native communicator: what it raised, how soon, and whether a
+    watchdog or a communicator was left behind."""
     import threading
     import time
-    from rlhfz import _C
     from rlhfz.comm import NativeNcclCommunicator
     from rlhfz.engine import backend_for
     backend = backend_for(torch.device("cpu"))
-    if rank == failing_rank:
-        _C.cuda_sim_inject("cudaStreamCreateWithFlags:1")
     started = time.monotonic()
     try:
         comm = NativeNcclCommunicator(None, backend)
@@ -277,6 +283,21 @@ def bootstrap_fails_on_one_rank(rank, world_size, failing_rank):
         comm.destroy()
     watchdogs = [t for t in threading.enumerate() if t.name == "rlhfz-nccl-watchdog"]
     return {"raised": raised, "after_s": time.monotonic() - started, "watchdogs": len(watchdogs)}
+
+
+def init_fails_on_one_rank(rank, world_size, failing_rank):
+    """Every rank gets past the bootstrap; the failing rank's NCCL init
+    itself fails (its first CUDA call inside it). The others are inside
+    theirs, waiting for it: what each raises, and how soon."""
+    from rlhfz import _C
+    if rank == failing_rank:
+        made = _C.NcclComm
+
+        def failing(*args, **kwargs):
+            _C.cuda_sim_inject("cudaGetDevice:1")
+            return made(*args, **kwargs)
+        _C.NcclComm = failing
+    return _communicator_outcome()
 
 
 def gather_then_peer_dies(rank, world_size, victim, out_dir):

@@ -261,6 +261,32 @@ def test_a_rank_failing_before_the_nccl_init_fails_every_rank_at_once(monkeypatc
 
 @needs_simulator
 @needs_nccl
+@pytest.mark.parametrize("world_size, failing_rank", [(2, 1), (3, 0)])
+def test_a_rank_failing_inside_the_nccl_init_fails_every_rank_within_the_timeout(
+        monkeypatch, world_size, failing_rank):
+    """The others are inside their own init by then: a blocking init would
+    wait there for the failing rank for ever (the stand-in, for its own
+    init timeout of 300 s). Non-blocking, they poll, and at rlhfz's
+    timeout they abort and raise."""
+    timeout = 6
+    _own_devices(monkeypatch, world_size)
+    monkeypatch.setenv("RLHFZ_COLLECTIVE_TIMEOUT", str(timeout))
+    outcomes = run_ranks(workers.init_fails_on_one_rank, world_size, failing_rank, timeout=90)
+    for rank, out in enumerate(outcomes):
+        assert out["raised"] is not None and out["watchdogs"] == 0, out
+        assert out["after_s"] < timeout + 10, out
+        if rank == failing_rank:
+            assert out["raised"].startswith("RuntimeError: "), out
+            assert (f"ncclCommInitRankConfig (rank {rank} of {world_size}, device {rank}) failed: "
+                    "ncclUnhandledCudaError") in out["raised"], out
+        else:
+            assert out["raised"].startswith("CollectiveError"), out
+            assert "did not finish within" in out["raised"], out
+            assert "the communicator is aborted" in out["raised"], out
+
+
+@needs_simulator
+@needs_nccl
 def test_a_peer_dying_after_a_gather_for_generation_raises(monkeypatch, tmp_path):
     """Stage 3: buffers released after the gather free device memory, which
     waits for the collectives queued before it: those are watched from

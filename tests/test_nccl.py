@@ -802,3 +802,72 @@ def test_two_processes(nccl, tmp_path):
         checks = json.loads(out.strip().splitlines()[-1])
         failed = [name for name, ok in checks.items() if not ok]
         assert not failed, f"rank {rank}: {failed}"
+
+
+_CONFIG_FIELDS = ("size", "magic", "version", "blocking", "cgaClusterSize", "minCTAs", "maxCTAs",
+                  "netName")
+_LAYOUT_PROGRAM = r"""
+#include <stddef.h>
+#include <stdio.h>
+#include HEADER
+int main(void)
+{
+    printf("%zu %u %d\n", sizeof(CONFIG), (unsigned)MAGIC, (int)UNDEF);
+    FIELDS
+    return 0;
+}
+"""
+
+
+def _nccl_header() -> str | None:
+    import importlib.util
+    spec = importlib.util.find_spec("nvidia.nccl")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(folder, "include", "nccl.h")
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def _layout(tmp_path, name, header, config, magic, undef, includes=()):
+    import shutil
+    import sysconfig
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("needs a C compiler")
+    fields = "\n    ".join(f'printf("%zu\\n", offsetof({config}, {field}));'
+                           for field in _CONFIG_FIELDS)
+    source = tmp_path / f"{name}.c"
+    source.write_text(_LAYOUT_PROGRAM.replace("HEADER", f'"{header}"').replace("CONFIG", config)
+                      .replace("MAGIC", magic).replace("UNDEF", undef).replace("FIELDS", fields))
+    binary = tmp_path / name
+    # nccl.h's CUDA headers: only the stream and event handles are needed
+    stubs = tmp_path / "cuda_stubs"
+    stubs.mkdir(exist_ok=True)
+    (stubs / "cuda_runtime.h").write_text(
+        "typedef struct CUstream_st *cudaStream_t;\ntypedef struct CUevent_st *cudaEvent_t;\n")
+    for empty in ("cuda_fp16.h", "cuda_bf16.h", "cuda_fp8.h"):
+        (stubs / empty).write_text("")
+    flags = [f"-I{sysconfig.get_paths()['include']}", f"-I{stubs}"] + \
+        [f"-I{folder}" for folder in includes]
+    subprocess.run([compiler, *flags, "-o", str(binary), str(source)], check=True)
+    return subprocess.run([str(binary)], capture_output=True, text=True, check=True).stdout.split()
+
+
+def test_the_config_rlhfz_hands_nccl_is_laid_out_as_ncclConfig_t(tmp_path):
+    """rlhfz declares NCCL 2.14's fields of ncclConfig_t itself (no nccl.h
+    at build time); against the nccl.h of the wheel: each field at NCCL's
+    offset, the same magic and unset value, and no bigger than NCCL's
+    struct (NCCL reads `size` bytes of it and keeps its defaults past them)."""
+    header = _nccl_header()
+    if header is None:
+        pytest.skip("needs nvidia-nccl-cu13's include/nccl.h")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    theirs = _layout(tmp_path, "theirs", header, "ncclConfig_t", "NCCL_API_MAGIC",
+                     "NCCL_CONFIG_UNDEF_INT")
+    ours = _layout(tmp_path, "ours", os.path.join(root, "csrc", "nccl_library.h"),
+                   "rlhfz_nccl_config", "RLHFZ_NCCL_API_MAGIC", "RLHFZ_NCCL_CONFIG_UNDEF_INT",
+                   includes=[os.path.join(root, "csrc"), os.path.join(root, "kernels")])
+    assert ours[1:3] == theirs[1:3]                      # magic, unset int
+    assert ours[3:] == theirs[3:]                        # every field's offset
+    assert int(ours[0]) <= int(theirs[0])

@@ -333,7 +333,8 @@ def test_communicator_lifecycle_and_errors():
 
     kind, text = out["init_failure"]
     assert kind == "RuntimeError"
-    assert "ncclCommInitRank (rank 0 of 1, device 0) failed: ncclUnhandledCudaError (1)" in text
+    assert ("ncclCommInitRankConfig (rank 0 of 1, device 0) failed: ncclUnhandledCudaError (1)"
+            in text)
     assert "cudaGetDevice failed: invalid argument" in text
     assert out["init_failure_segment_left"] is False
 
@@ -482,12 +483,13 @@ out["reduced"] = bool((x == 3).all())
 comm.check()
 
 # the ranks disagree on the count: NCCL notices it on the stream, and destroy
-# then aborts instead of waiting, and says why
+# then aborts instead of waiting, and says why (or the call itself, where
+# the non-blocking communicator's poll after it already sees the error)
 stream = _C.CudaStream(rank)
 part = data if rank == 0 else buf.view("float32", 0, (n // 2,))
-comm.all_reduce(part, part, "sum", stream=stream)
+failed_call = raised(lambda: comm.all_reduce(part, part, "sum", stream=stream))
 stream.synchronize()
-out["destroy_after_async_error"] = raised(comm.destroy)
+out["destroy_after_async_error"] = failed_call or raised(comm.destroy)
 out["state"] = comm.state
 print(json.dumps(out))
 '''
@@ -528,6 +530,40 @@ def test_two_threads_and_an_asynchronous_error(tmp_path):
         kind, text = result["destroy_after_async_error"]
         assert kind == "RuntimeError", rank
         assert (f"an asynchronous NCCL operation (ncclCommGetAsyncError) (NcclComm.destroy, rank "
-                f"{rank} of 2; the communicator is aborted) failed: ncclInvalidUsage (5)") in text
+                f"{rank} of 2; the communicator is aborted) failed: ncclInvalidUsage (5)" in text
+                or f"ncclAllReduce (NcclComm.all_reduce, rank {rank} of 2; the communicator is "
+                   f"aborted) failed: ncclInvalidUsage (5)" in text), text
         assert result["state"] == "aborted", rank
         assert not os.path.exists(result["segment"]), rank
+
+
+BEFORE_2_14 = r'''
+_C.nccl_load()
+out = {"version": _C.nccl_version()}
+uid = _C.nccl_unique_id()
+_C.cuda_sim_inject("cudaGetDevice:1")
+out["init_failure"] = raised(lambda: _C.NcclComm(uid, 1, 0, 0, timeout=5))
+_C.cuda_sim_inject("")
+out["init_failure_segment_left"] = os.path.exists(segment(uid))
+comm = _C.NcclComm(_C.nccl_unique_id(), 1, 0, 0, timeout=5)
+buf = _C.Buffer(4 * 8, "device", device=0)
+floats(buf)[:] = 3.0
+comm.all_reduce(buf.view("float32"), buf.view("float32"), "sum", stream=0)
+_C.cuda_synchronize(0)
+out["sum"] = floats(buf).tolist()
+comm.destroy()
+out["state"] = comm.state
+print(json.dumps(out))
+'''
+
+
+def test_before_nccl_2_14_init_blocks_through_nccl_comm_init_rank():
+    """NCCL 2.10 to 2.13 have no ncclCommInitRankConfig: the communicator is
+    made by the blocking ncclCommInitRank, and works as before."""
+    out = run_child(BEFORE_2_14, env={"RLHFZ_NCCL_SIM_VERSION": "21305"})
+    assert out["version"] == 21305
+    kind, text = out["init_failure"]
+    assert kind == "RuntimeError"
+    assert "ncclCommInitRank (rank 0 of 1, device 0) failed: ncclUnhandledCudaError (1)" in text
+    assert out["init_failure_segment_left"] is False
+    assert out["sum"] == [3.0] * 8 and out["state"] == "destroyed"

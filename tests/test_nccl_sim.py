@@ -456,7 +456,10 @@ assert nccl.ncclGroupStart() == 0                     # nested: only the outer e
 comm.all_gather(b_view, g_view, stream=stream)
 assert nccl.ncclGroupEnd() == 0
 out["queued_inside"] = launches() - before
-assert nccl.ncclGroupEnd() == 0
+# the communicator is non-blocking: the end says ncclInProgress, and the
+# calls settle a moment later (NcclComm queues no groups, so it never polls)
+assert nccl.ncclGroupEnd() == 7
+time.sleep(0.05)
 out["queued_at_end"] = launches() - before
 stream.synchronize()
 out["ok"] = bool((a == WORLD * (WORLD + 1) / 2).all()) and bool(
@@ -720,10 +723,12 @@ host_array(buf, fill=1.0)
 # rank 0 reduces 1024 elements, rank 1 only 512: NCCL would hang or mix them up
 count = 1024 if RANK == 0 else 512
 part = buf.view("float32", 0, (count,))
-comm.all_reduce(part, part, "sum", stream=stream)
-comm.all_reduce(part, part, "sum", stream=stream)
-stream.synchronize()
+# the error is asynchronous: the next call that polls the non-blocking
+# communicator (the second all_reduce) or check() reports it
 try:
+    comm.all_reduce(part, part, "sum", stream=stream)
+    comm.all_reduce(part, part, "sum", stream=stream)
+    stream.synchronize()
     comm.check()
     raised = None
 except RuntimeError as error:
@@ -882,3 +887,123 @@ def test_under_chaos_with_small_chunks(tmp_path):
     assert cases == 2 * 3 * 2 * (2 * 2 + 2)
     for result in _all_ok(_run_ranks(tmp_path, 2, STREAM_ORDER, env=env)):
         assert result["ok_x"] and result["ok_y"] and result["ok_event"]
+
+
+NONBLOCKING = r'''
+nccl = ctypes.CDLL(rlhfz.build_info()["nccl_library"])
+nccl.ncclGetLastError.restype = ctypes.c_char_p
+
+
+class UniqueId(ctypes.Structure):
+    _fields_ = [("internal", ctypes.c_char * 128)]
+
+
+class Config(ctypes.Structure):     # ncclConfig_t as NCCL 2.14 had it
+    _fields_ = [("size", ctypes.c_size_t), ("magic", ctypes.c_uint), ("version", ctypes.c_uint),
+                ("blocking", ctypes.c_int), ("cgaClusterSize", ctypes.c_int),
+                ("minCTAs", ctypes.c_int), ("maxCTAs", ctypes.c_int), ("netName", ctypes.c_char_p)]
+
+
+UNDEF = -2**31
+
+
+def config(**fields):
+    values = dict(size=ctypes.sizeof(Config), magic=0xcafebeef, version=21400, blocking=0,
+                  cgaClusterSize=UNDEF, minCTAs=UNDEF, maxCTAs=UNDEF, netName=None)
+    values.update(fields)
+    return Config(**values)
+
+
+def init(uid, cfg, world=1, rank=0):
+    comm = ctypes.c_void_p()
+    rc = nccl.ncclCommInitRankConfig(ctypes.byref(comm), world, uid, rank, ctypes.byref(cfg))
+    return rc, comm
+
+
+def poll(comm, limit_s=10):
+    state = ctypes.c_int(7)
+    start = time.monotonic()
+    polls = 0
+    while time.monotonic() - start < limit_s:
+        assert nccl.ncclCommGetAsyncError(comm, ctypes.byref(state)) == 0
+        polls += 1
+        if state.value != 7:
+            break
+    return state.value, polls
+
+
+_C.cuda_set_device(0)
+results = {}
+uid = UniqueId()
+for name, cfg in {"bad_magic": config(magic=1), "old_version": config(version=21300),
+                  "short": config(size=16), "blocking_2": config(blocking=2)}.items():
+    assert nccl.ncclGetUniqueId(ctypes.byref(uid)) == 0
+    rc, comm = init(uid, cfg)
+    results[name] = [rc, comm.value is None, nccl.ncclGetLastError(None).decode()]
+
+dev_buf = _C.Buffer(4 * 64, "device", device=0)
+ptr, count = ctypes.c_void_p(dev_buf.address), ctypes.c_size_t(64)
+stream = _C.CudaStream(0)
+handle = ctypes.c_void_p(stream.handle)
+FLOAT32, SUM = 7, 0
+assert nccl.ncclGetUniqueId(ctypes.byref(uid)) == 0
+rc, comm = init(uid, config())
+results["init"] = rc
+results["call_during_init"] = [nccl.ncclAllReduce(ptr, ptr, count, FLOAT32, SUM, comm, handle),
+                               nccl.ncclGetLastError(None).decode()]
+results["settled"] = poll(comm)[0]
+results["first_call"] = nccl.ncclAllReduce(ptr, ptr, count, FLOAT32, SUM, comm, handle)
+results["call_before_settling"] = [
+    nccl.ncclAllReduce(ptr, ptr, count, FLOAT32, SUM, comm, handle),
+    nccl.ncclGetLastError(None).decode()]
+results["call_settled"] = poll(comm)[0]
+results["second_call"] = nccl.ncclAllReduce(ptr, ptr, count, FLOAT32, SUM, comm, handle)
+poll(comm)
+results["destroy"] = nccl.ncclCommDestroy(comm)
+
+# a world of two whose other rank never comes: polled, then aborted at once
+assert nccl.ncclGetUniqueId(ctypes.byref(uid)) == 0
+rc, comm = init(uid, config(), world=2)
+state, polls = poll(comm, limit_s=0.5)
+started = time.monotonic()
+results["lonely"] = [rc, state, polls > 1, nccl.ncclCommAbort(comm)]
+results["abort_s"] = time.monotonic() - started
+name = ctypes.string_at(ctypes.addressof(uid), 128)[16:].split(b"\0", 1)[0].decode()
+results["segment_left"] = [name.startswith("/rlhfz-nccl-"), os.path.exists("/dev/shm" + name)]
+
+# blocking = 1 through the config is ncclCommInitRank's init
+assert nccl.ncclGetUniqueId(ctypes.byref(uid)) == 0
+rc, comm = init(uid, config(blocking=1))
+results["blocking"] = [rc, nccl.ncclAllReduce(ptr, ptr, count, FLOAT32, SUM, comm, handle),
+                       nccl.ncclCommDestroy(comm)]
+stream.synchronize()
+report(results)
+'''
+
+
+def test_a_non_blocking_communicator_must_be_polled_between_calls(tmp_path):
+    """ncclCommInitRankConfig with blocking = 0: the config is read as NCCL
+    reads it, init and every call return ncclInProgress, and a call before
+    ncclCommGetAsyncError has said ncclSuccess is refused; an init whose
+    peer never comes is aborted without waiting for it."""
+    (rc, results, stderr), = _run_ranks(tmp_path, 1, NONBLOCKING)
+    assert rc == 0 and results is not None, stderr[-5000:]
+    INVALID_ARGUMENT, INVALID_USAGE, IN_PROGRESS = 4, 5, 7
+    assert results["bad_magic"][:2] == [INVALID_ARGUMENT, True]
+    assert "NCCL_CONFIG_INITIALIZER" in results["bad_magic"][2]
+    assert results["old_version"][:2] == [INVALID_ARGUMENT, True]
+    assert results["short"][:2] == [INVALID_ARGUMENT, True]
+    assert results["blocking_2"][:2] == [INVALID_ARGUMENT, True]
+    assert "blocking must be 0 or 1" in results["blocking_2"][2]
+    assert results["init"] == IN_PROGRESS
+    assert results["call_during_init"][0] == INVALID_USAGE
+    assert "init is still in progress" in results["call_during_init"][1]
+    assert results["settled"] == 0
+    assert results["first_call"] == IN_PROGRESS
+    assert results["call_before_settling"][0] == INVALID_USAGE
+    assert "last call is still in progress" in results["call_before_settling"][1]
+    assert results["call_settled"] == 0 and results["second_call"] == IN_PROGRESS
+    assert results["destroy"] == 0
+    assert results["lonely"] == [IN_PROGRESS, IN_PROGRESS, True, 0]
+    assert results["abort_s"] < 2 and results["segment_left"] == [True, False]
+    assert results["blocking"] == [0, 0, 0]

@@ -169,8 +169,8 @@ class NcclEngine:
             raise
 
     def _bootstrap(self, control: ControlPlane, backend):
-        """Makes the communicator and returns rlhfz's stream. A blocking
-        ncclCommInitRank waits for every rank for ever, so whatever can fail
+        """Makes the communicator and returns rlhfz's stream. An NCCL init
+        waits for every rank (before 2.14 for ever), so whatever can fail
         on one rank alone (the library, the device, the stream, the unique
         id) is done first, and the ranks agree that all of it worked before
         any enters the init: a rank that failed raises its own error, the
@@ -198,9 +198,16 @@ class NcclEngine:
                                + "; ".join(f"rank {rank} failed first: {why}"
                                            for rank, why in failed))
         try:
-            # NCCL binds a communicator to the device current at init.
+            # NCCL binds a communicator to the device current at init. The
+            # init is non-blocking from NCCL 2.14: a rank that fails inside
+            # it leaves the others polling until the timeout, not for ever.
             with backend.device_guard():
-                self.nccl = _C.NcclComm(reports[0][1], self.world_size, self.rank, self.index)
+                self.nccl = _C.NcclComm(reports[0][1], self.world_size, self.rank, self.index,
+                                        timeout=control.timeout_s)
+        except TimeoutError as error:
+            stream.close()
+            raise control.lost(f"the NCCL communicator was not made ({error}; "
+                               f"{control.timeout_name})") from error
         except BaseException:
             stream.close()
             raise
@@ -229,7 +236,8 @@ class NcclEngine:
         except (ValueError, TypeError, BufferError):
             self.watchdog.forget(entry)          # refused before NCCL ran: nothing changed
             raise
-        except RuntimeError as error:
+        except (RuntimeError, TimeoutError) as error:
+            # TimeoutError: NCCL left the call in progress past the timeout
             self.watchdog.forget(entry)
             self.watchdog.fail(f"{what} failed in NCCL ({error})")
             self.raise_if_failed()

@@ -118,6 +118,9 @@ ncclResult_t prepare(const char *function, Kind kind, const void *send, void *re
     std::shared_ptr<CommState> state = lookup(comm, function);
     if (!state)
         return ncclInvalidArgument;
+    ncclResult_t unsettled = refuse_unsettled(*state, function);
+    if (unsettled != ncclSuccess)
+        return unsettled;
     std::size_t item = dtype_size(dtype);
     if (item == 0)
         return fail(ncclInvalidArgument, "%s: datatype %d is not an ncclDataType_t", function,
@@ -342,7 +345,7 @@ ncclResult_t submit(std::unique_ptr<Collective> c)
     /* a default stream runs it inline, right here */
     cudaError_t err = cudaLaunchHostFunc(stream, run_collective, queued);
     if (err == cudaSuccess)
-        return ncclSuccess;
+        return settle_later(*state);
     delete queued;
     {
         std::lock_guard<std::mutex> lock(state->mutex);
@@ -447,10 +450,13 @@ extern "C" ncclResult_t ncclGroupEnd(void)
     group.error = ncclSuccess;
     if (error != ncclSuccess)
         return error;
+    ncclResult_t outcome = ncclSuccess;
     for (std::unique_ptr<Collective> &c : pending) {
         ncclResult_t result = submit(std::move(c));
-        if (result != ncclSuccess)
+        if (result == ncclInProgress)
+            outcome = result;   /* a non-blocking communicator's: poll it */
+        else if (result != ncclSuccess)
             return result;      /* the rest are dropped: the ranks no longer agree anyway */
     }
-    return ncclSuccess;
+    return outcome;
 }

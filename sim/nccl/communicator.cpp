@@ -15,10 +15,12 @@
 
 #include <cerrno>
 #include <chrono>
+#include <cstddef>
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <thread>
 #include <unordered_set>
 
@@ -198,52 +200,162 @@ extern "C" ncclResult_t ncclGetUniqueId(ncclUniqueId *unique_id)
     return ncclSuccess;
 }
 
-extern "C" ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId comm_id,
-                                         int rank)
+namespace ncclsim {
+namespace {
+
+constexpr std::size_t CONFIG_2_14_BYTES = offsetof(ncclConfig_t, netName) + sizeof(const char *);
+/* how long a non-blocking collective stays ncclInProgress */
+constexpr auto SETTLE_TIME = std::chrono::microseconds(200);
+
+void register_handle(ncclComm *handle)
+{
+    Registry &r = registry();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    r.live.insert(handle);
+}
+
+/* Reads a config as NCCL does: its own size and version say which fields it has. */
+ncclResult_t read_config(const ncclConfig_t *config, bool *blocking)
+{
+    *blocking = true;
+    if (!config)
+        return ncclSuccess;
+    if (config->magic != NCCL_API_MAGIC)
+        return fail(ncclInvalidArgument, "ncclCommInitRankConfig: the config's magic is 0x%x, "
+                    "not NCCL_API_MAGIC: it was not initialized with NCCL_CONFIG_INITIALIZER",
+                    config->magic);
+    if (config->version < (unsigned)NCCL_VERSION(2, 14, 0) || config->size < CONFIG_2_14_BYTES)
+        return fail(ncclInvalidArgument, "ncclCommInitRankConfig: a config of version %u and "
+                    "%zu bytes is older than NCCL 2.14's (%zu bytes)", config->version,
+                    config->size, CONFIG_2_14_BYTES);
+    int value = config->blocking;
+    if (value != 0 && value != 1 && value != NCCL_CONFIG_UNDEF_INT)
+        return fail(ncclInvalidArgument, "ncclCommInitRankConfig: blocking must be 0 or 1, not %d",
+                    value);
+    *blocking = value != 0;
+    return ncclSuccess;
+}
+
+ncclResult_t init(ncclComm_t *comm, int nranks, const ncclUniqueId &comm_id, int rank,
+                  const ncclConfig_t *config, const char *function)
 {
     if (!comm)
-        return fail(ncclInvalidArgument, "ncclCommInitRank: comm is NULL");
+        return fail(ncclInvalidArgument, "%s: comm is NULL", function);
     *comm = nullptr;
     if (nranks < 1 || nranks > MAX_RANKS)
-        return fail(ncclInvalidArgument, "ncclCommInitRank: nranks must be in [1, %d] here, not %d",
+        return fail(ncclInvalidArgument, "%s: nranks must be in [1, %d] here, not %d", function,
                     MAX_RANKS, nranks);
     if (rank < 0 || rank >= nranks)
-        return fail(ncclInvalidArgument, "ncclCommInitRank: rank must be in [0, %d), not %d",
+        return fail(ncclInvalidArgument, "%s: rank must be in [0, %d), not %d", function,
                     nranks, rank);
+    bool blocking = true;
+    ncclResult_t result = read_config(config, &blocking);
+    if (result != ncclSuccess)
+        return result;
     const char *name = comm_id.internal + ID_NAME_OFFSET;
     if (std::memcmp(comm_id.internal, ID_MAGIC, sizeof ID_MAGIC) != 0 ||
         std::memchr(name, '\0', ID_NAME_BYTES) == nullptr || name[0] != '/')
-        return fail(ncclInvalidArgument, "ncclCommInitRank: the unique id does not come from this "
-                    "library's ncclGetUniqueId");
+        return fail(ncclInvalidArgument, "%s: the unique id does not come from this library's "
+                    "ncclGetUniqueId", function);
     int device = -1;
     cudaError_t cuda = cudaGetDevice(&device);
     if (cuda != cudaSuccess)
-        return fail(ncclUnhandledCudaError, "ncclCommInitRank: cudaGetDevice failed: %s",
+        return fail(ncclUnhandledCudaError, "%s: cudaGetDevice failed: %s", function,
                     cudaGetErrorString(cuda));
 
     double staging = read_number("RLHFZ_NCCL_SIM_STAGING_BYTES", 1, (double)(1ULL << 32),
                                  (double)DEFAULT_STAGING);
     double timeout_s = read_number("RLHFZ_NCCL_SIM_INIT_TIMEOUT", 0, 1e7, DEFAULT_INIT_TIMEOUT_S);
-    std::unique_ptr<Segment> segment;
-    ncclResult_t result = Segment::join(name, nranks, rank, device, (std::size_t)staging,
-                                        timeout_s, &segment);
-    if (result != ncclSuccess)
-        return result;
-
     auto state = std::make_shared<CommState>();
     state->nranks = nranks;
     state->rank = rank;
     state->device = device;
-    state->segment = std::move(segment);
     state->chaos.seed(std::getenv("RLHFZ_SIM_CHAOS"), rank);
-    ncclComm *handle = new ncclComm{std::move(state)};
-    {
-        Registry &r = registry();
-        std::lock_guard<std::mutex> lock(r.mutex);
-        r.live.insert(handle);
+    if (blocking) {
+        result = Segment::join(name, nranks, rank, device, (std::size_t)staging, timeout_s,
+                               nullptr, &state->segment);
+        if (result != ncclSuccess)
+            return result;
+        ncclComm *handle = new ncclComm{std::move(state)};
+        register_handle(handle);
+        *comm = handle;
+        return ncclSuccess;
     }
+    /* Non-blocking: the handle first, then the ranks join on a thread of
+     * their own, which an abort stops. */
+    state->nonblocking = true;
+    state->initializing = true;
+    std::string segment_name(name);
+    std::thread([state, segment_name, nranks, rank, device, staging, timeout_s] {
+        std::unique_ptr<Segment> segment;
+        ncclResult_t joined = Segment::join(segment_name.c_str(), nranks, rank, device,
+                                            (std::size_t)staging, timeout_s, &state->stop,
+                                            &segment);
+        std::lock_guard<std::mutex> lock(state->mutex);
+        if (joined == ncclSuccess && !state->closed)
+            state->segment = std::move(segment);
+        state->init_result = joined;
+        if (joined != ncclSuccess)
+            std::snprintf(state->init_error, sizeof state->init_error, "%s", last_error);
+        state->initializing = false;
+        state->changed.notify_all();
+    }).detach();
+    ncclComm *handle = new ncclComm{std::move(state)};
+    register_handle(handle);
     *comm = handle;
+    return ncclInProgress;
+}
+
+} /* namespace */
+
+ncclResult_t CommState::async_state_locked() const
+{
+    if (initializing)
+        return ncclInProgress;
+    if (init_result != ncclSuccess)
+        return init_result;
+    if (async_error != ncclSuccess)
+        return async_error;
+    if (nonblocking && std::chrono::steady_clock::now() < settles_at)
+        return ncclInProgress;
     return ncclSuccess;
+}
+
+ncclResult_t refuse_unsettled(CommState &state, const char *function)
+{
+    std::lock_guard<std::mutex> lock(state.mutex);
+    ncclResult_t now = state.async_state_locked();
+    if (now == ncclInProgress)
+        return fail(ncclInvalidUsage, "%s: the communicator's %s is still in progress: poll "
+                    "ncclCommGetAsyncError until it says ncclSuccess before the next call",
+                    function, state.initializing ? "init" : "last call");
+    if (state.init_result != ncclSuccess)
+        return fail(ncclInvalidUsage, "%s: the communicator's init failed (%s): abort it",
+                    function, state.init_error);
+    return ncclSuccess;
+}
+
+ncclResult_t settle_later(CommState &state)
+{
+    if (!state.nonblocking)
+        return ncclSuccess;
+    std::lock_guard<std::mutex> lock(state.mutex);
+    state.settles_at = std::chrono::steady_clock::now() + SETTLE_TIME;
+    return ncclInProgress;
+}
+
+} /* namespace ncclsim */
+
+extern "C" ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId comm_id,
+                                         int rank)
+{
+    return init(comm, nranks, comm_id, rank, nullptr, "ncclCommInitRank");
+}
+
+extern "C" ncclResult_t ncclCommInitRankConfig(ncclComm_t *comm, int nranks, ncclUniqueId comm_id,
+                                               int rank, ncclConfig_t *config)
+{
+    return init(comm, nranks, comm_id, rank, config, "ncclCommInitRankConfig");
 }
 
 /* ---- teardown -------------------------------------------------------------------------------- */
@@ -258,6 +370,8 @@ extern "C" ncclResult_t ncclCommDestroy(ncclComm_t comm)
     std::shared_ptr<CommState> state = std::move(handle->state);
     delete handle;
     std::unique_lock<std::mutex> lock(state->mutex);
+    /* a non-blocking init finishes first (NCCL's destroy waits for it too) */
+    state->changed.wait(lock, [&] { return !state->initializing; });
     /* every collective queued so far runs (or is skipped after an error) first */
     state->changed.wait(lock, [&] { return state->next_run >= state->next_seq; });
     state->closed = true;
@@ -281,8 +395,9 @@ extern "C" ncclResult_t ncclCommAbort(ncclComm_t comm)
         state->segment->wake();
     state->changed.notify_all();
     /* the running collective notices stop at its next wait (or finishes its
-     * arithmetic); nothing it does can block on a peer any more */
-    state->changed.wait(lock, [&] { return !state->running; });
+     * arithmetic), and a non-blocking init at its next look; nothing either
+     * does can block on a peer any more */
+    state->changed.wait(lock, [&] { return !state->running && !state->initializing; });
     state->segment.reset();
     return ncclSuccess;
 }
@@ -297,7 +412,9 @@ extern "C" ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *asy
     if (!state)
         return ncclInvalidArgument;
     std::lock_guard<std::mutex> lock(state->mutex);
-    *async_error = state->async_error;
+    *async_error = state->async_state_locked();
+    if (*async_error == state->init_result && state->init_result != ncclSuccess)
+        fail(state->init_result, "%s", state->init_error);   /* the init thread's words, here */
     return ncclSuccess;
 }
 

@@ -10,6 +10,7 @@
 #define RLHFZ_SIM_NCCL_INTERNAL_H
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -53,10 +54,10 @@ public:
      * CUDA device `device` and waits until all nranks ranks have (unlinking
      * the name once they have), or fails after timeout_s seconds. Like
      * NCCL's init, it fails (ncclInvalidUsage, on every rank) where two
-     * ranks are on one device. */
+     * ranks are on one device; and at once when *stop is set (an abort). */
     static ncclResult_t join(const char *name, int nranks, int rank, int device,
                              std::size_t staging_request, double timeout_s,
-                             std::unique_ptr<Segment> *out);
+                             const std::atomic<bool> *stop, std::unique_ptr<Segment> *out);
     ~Segment();
     Segment(const Segment &) = delete;
     Segment &operator=(const Segment &) = delete;
@@ -138,6 +139,16 @@ struct CommState {
     ncclResult_t async_error = ncclSuccess;
     std::atomic<bool> stop{false};        /* abort: running and waiting collectives return */
 
+    /* a non-blocking communicator (ncclCommInitRankConfig, blocking = 0) */
+    bool nonblocking = false;
+    bool initializing = false;            /* its init thread is still joining the ranks */
+    ncclResult_t init_result = ncclSuccess;
+    char init_error[1024] = {0};          /* the init thread's last error, for the caller */
+    std::chrono::steady_clock::time_point settles_at{};   /* the last call's ncclInProgress */
+
+    /* What ncclCommGetAsyncError says. Holds mutex. */
+    ncclResult_t async_state_locked() const;
+
     /* only the running collective touches these */
     std::uint64_t step = 0;
     Chaos chaos;
@@ -148,6 +159,14 @@ struct CommState {
 
 /* The state behind a live handle, or null (with the last error set). */
 std::shared_ptr<CommState> lookup(ncclComm_t comm, const char *function);
+
+/* A call on a non-blocking communicator before ncclCommGetAsyncError said
+ * ncclSuccess (its init or its last call still in progress), or after its
+ * init failed: refused, as NCCL leaves it undefined. */
+ncclResult_t refuse_unsettled(CommState &state, const char *function);
+/* What a call that was queued returns: ncclSuccess, or on a non-blocking
+ * communicator ncclInProgress, which settles a little later. */
+ncclResult_t settle_later(CommState &state);
 
 } /* namespace ncclsim */
 

@@ -19,6 +19,13 @@
  *     RLHFZ_SIM_CHAOS=seed             random delays inside collectives too
  * - RLHFZ_NCCL_SIM_VERSION=n, read at each ncclGetVersion: the version code
  *   it reports instead of NCCL_VERSION_CODE (tests pose as an older NCCL).
+ * - A non-blocking communicator (ncclCommInitRankConfig, blocking = 0) is
+ *   harsher than NCCL's: init always returns ncclInProgress and joins the
+ *   other ranks on a thread of its own; every collective on it returns
+ *   ncclInProgress and settles a little later; and a call made before
+ *   ncclCommGetAsyncError has said ncclSuccess is refused (ncclInvalidUsage),
+ *   where NCCL leaves it undefined. The config's magic, version, size and
+ *   blocking value are checked.
  */
 #ifndef RLHFZ_SIM_NCCL_H
 #define RLHFZ_SIM_NCCL_H
@@ -84,9 +91,35 @@ typedef enum {
     ncclAvg = 4
 } ncclRedOp_t;
 
+/* Communicator options (NCCL 2.14 and later), versioned by size and version:
+ * a library reads only the fields the caller's struct has. These are the
+ * fields of NCCL 2.18; later versions append more. */
+#define NCCL_CONFIG_UNDEF_INT (-2147483647 - 1)
+#define NCCL_CONFIG_UNDEF_PTR NULL
+#define NCCL_API_MAGIC 0xcafebeef
+
+typedef struct ncclConfig_v21800 {
+    size_t size;
+    unsigned int magic;
+    unsigned int version;
+    int blocking;
+    int cgaClusterSize;
+    int minCTAs;
+    int maxCTAs;
+    const char *netName;
+    int splitShare;
+} ncclConfig_t;
+
+#define NCCL_CONFIG_INITIALIZER                                                     \
+    {sizeof(ncclConfig_t), NCCL_API_MAGIC, NCCL_VERSION(2, 18, 0),                \
+     NCCL_CONFIG_UNDEF_INT, NCCL_CONFIG_UNDEF_INT, NCCL_CONFIG_UNDEF_INT,          \
+     NCCL_CONFIG_UNDEF_INT, NCCL_CONFIG_UNDEF_PTR, NCCL_CONFIG_UNDEF_INT}
+
 ncclResult_t ncclGetVersion(int *version);
 ncclResult_t ncclGetUniqueId(ncclUniqueId *uniqueId);
 ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId commId, int rank);
+ncclResult_t ncclCommInitRankConfig(ncclComm_t *comm, int nranks, ncclUniqueId commId, int rank,
+                                    ncclConfig_t *config);
 ncclResult_t ncclCommDestroy(ncclComm_t comm);
 ncclResult_t ncclCommAbort(ncclComm_t comm);
 ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *asyncError);

@@ -176,8 +176,20 @@ ncclResult_t open_segment(const char *name, Clock::time_point deadline, int *fd,
     }
 }
 
+bool stopped(const std::atomic<bool> *stop)
+{
+    return stop && stop->load(std::memory_order_acquire);
+}
+
+ncclResult_t aborted_while_joining(const char *name)
+{
+    return fail(ncclSystemError, "ncclCommAbort was called while the communicator was joining "
+                "the other ranks (segment %s)", name);
+}
+
 /* Waits until the file holds at least `bytes`. */
-ncclResult_t wait_for_size(int fd, std::size_t bytes, const char *name, Clock::time_point deadline)
+ncclResult_t wait_for_size(int fd, std::size_t bytes, const char *name, Clock::time_point deadline,
+                           const std::atomic<bool> *stop)
 {
     for (;;) {
         struct stat st;
@@ -185,6 +197,8 @@ ncclResult_t wait_for_size(int fd, std::size_t bytes, const char *name, Clock::t
             return fail(ncclSystemError, "fstat(%s) failed: %s", name, std::strerror(errno));
         if ((std::size_t)st.st_size >= bytes)
             return ncclSuccess;
+        if (stopped(stop))
+            return aborted_while_joining(name);
         if (Clock::now() > deadline)
             return fail(ncclSystemError, "the segment %s was never sized: the rank that created "
                         "it failed or stopped", name);
@@ -196,7 +210,7 @@ ncclResult_t wait_for_size(int fd, std::size_t bytes, const char *name, Clock::t
 
 ncclResult_t Segment::join(const char *name, int nranks, int rank, int device,
                            std::size_t staging_request, double timeout_s,
-                           std::unique_ptr<Segment> *out)
+                           const std::atomic<bool> *stop, std::unique_ptr<Segment> *out)
 {
     auto deadline = Clock::now() + std::chrono::milliseconds((long long)(timeout_s * 1000.0));
     int fd = -1;
@@ -241,7 +255,7 @@ ncclResult_t Segment::join(const char *name, int nranks, int rank, int device,
         header->ready.store(READY, std::memory_order_release);
     } else {
         /* the header page first, to learn the size; then the whole */
-        result = wait_for_size(fd, PAGE, name, deadline);
+        result = wait_for_size(fd, PAGE, name, deadline, stop);
         void *first = result == ncclSuccess
                           ? mmap(nullptr, PAGE, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
                           : MAP_FAILED;
@@ -253,6 +267,11 @@ ncclResult_t Segment::join(const char *name, int nranks, int rank, int device,
         }
         SegmentHeader *peek = (SegmentHeader *)first;
         while (peek->ready.load(std::memory_order_acquire) != READY) {
+            if (stopped(stop)) {
+                munmap(first, PAGE);
+                close(fd);
+                return aborted_while_joining(name);
+            }
             if (Clock::now() > deadline) {
                 munmap(first, PAGE);
                 close(fd);
@@ -270,7 +289,7 @@ ncclResult_t Segment::join(const char *name, int nranks, int rank, int device,
                         "the communicator said %u%s", rank, nranks, their_nranks,
                         layout != LAYOUT_VERSION ? " (and another layout version)" : "");
         }
-        result = wait_for_size(fd, total, name, deadline);
+        result = wait_for_size(fd, total, name, deadline, stop);
         void *base = result == ncclSuccess
                          ? mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
                          : MAP_FAILED;
@@ -305,6 +324,10 @@ ncclResult_t Segment::join(const char *name, int nranks, int rank, int device,
     if (joined == (std::uint32_t)nranks)
         shm_unlink(name);
     while ((joined = header->joined.load(std::memory_order_acquire)) < (std::uint32_t)nranks) {
+        if (stopped(stop)) {
+            shm_unlink(name);
+            return aborted_while_joining(name);
+        }
         if (Clock::now() > deadline) {
             /* nobody may ever complete it: the name must not outlive this */
             shm_unlink(name);
