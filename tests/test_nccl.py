@@ -120,6 +120,13 @@ def test_constructor_argument_binding():
         _C.NcclComm(unique_id=GOOD_ID, world_size=1, rank=1, device=0)
 
 
+@pytest.mark.parametrize("timeout, error", [(0, ValueError), (-1.0, ValueError),
+                                            (float("nan"), ValueError), ("5", TypeError)])
+def test_a_bad_timeout_is_refused_before_touching_nccl(timeout, error):
+    with pytest.raises(error, match="timeout"):
+        _C.NcclComm(GOOD_ID, 1, 0, 0, timeout=timeout)
+
+
 def test_unconnected_comm_properties_and_teardown():
     comm = _C.NcclComm._unconnected(4, 3, 1)
     assert (comm.rank, comm.world_size, comm.device) == (3, 4, 1)
@@ -528,6 +535,47 @@ def _cuda_comm():
     import torch
     torch.cuda.set_device(0)
     return _C.NcclComm(_C.nccl_unique_id(), 1, 0, 0)
+
+
+@pytest.mark.gpu
+@needs_torch_cuda
+def test_an_init_whose_peer_never_comes_times_out_and_the_process_goes_on(nccl):
+    """NCCL's own init, non-blocking (ncclCommInitRankConfig with the config
+    rlhfz lays out itself): a world of two whose rank 1 never calls it is
+    polled, aborted at the timeout, and raises TimeoutError; a communicator
+    made next in the same process works."""
+    proc = _run_child("""
+        import json, time, torch
+        from rlhfz import _C
+        torch.cuda.set_device(0)
+        _C.nccl_load()
+        out = {"version": _C.nccl_version()}
+        started = time.monotonic()
+        out["raised"] = None
+        try:
+            if out["version"] >= 21400:      # before, the init would block for ever
+                _C.NcclComm(_C.nccl_unique_id(), 2, 0, 0, timeout=3)
+        except Exception as error:
+            out["raised"] = [type(error).__name__, str(error)]
+        out["after_s"] = time.monotonic() - started
+        comm = _C.NcclComm(_C.nccl_unique_id(), 1, 0, 0, timeout=30)
+        x = torch.arange(8, device="cuda", dtype=torch.float32)
+        y = torch.zeros_like(x)
+        comm.all_reduce(x, y, "sum", stream=torch.cuda.current_stream())
+        torch.cuda.synchronize()
+        out["reduced"] = bool(torch.equal(x, y))
+        comm.destroy()
+        print(json.dumps(out))
+    """, timeout=120)
+    out = _child_result(proc)
+    if out["version"] < 21400:
+        assert out["reduced"] is True
+        pytest.skip(f"NCCL {out['version']} has no non-blocking init")
+    kind, text = out["raised"]
+    assert kind == "TimeoutError", out
+    assert "ncclCommInitRankConfig (rank 0 of 2, device 0) did not finish within 3 s" in text
+    assert 3 <= out["after_s"] < 20, out
+    assert out["reduced"] is True
 
 
 @pytest.mark.gpu
