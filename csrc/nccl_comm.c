@@ -24,6 +24,7 @@
 
 #include <limits.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
@@ -134,6 +135,11 @@ typedef struct {
      * the next waits until ncclCommGetAsyncError says it is done. */
     int nonblocking;
     double timeout_s;            /* how long a call may stay in progress; <= 0: no limit */
+    /* A collective polls the communicator without the GIL; abort() (the
+     * watchdog's, from another thread) must not free it under the poll:
+     * it asks the poll to stop and waits for it to let go. */
+    atomic_int polling;
+    atomic_int stop_polling;
     char reason[REASON_BYTES];   /* why the communicator is no longer alive */
 } NcclComm;
 
@@ -147,13 +153,18 @@ static double monotonic_s(void)
 }
 
 /* Polls ncclCommGetAsyncError until the call in progress is done, or until
- * `until` (monotonic seconds; *expired then). Runs without the GIL. */
+ * `until` (monotonic seconds; *expired = 1 then), or until *stop is set
+ * (*expired = 2). Runs without the GIL. */
 static ncclResult_t settle(const rlhfz_nccl_library *lib, ncclComm_t comm, double until,
-                           int *expired)
+                           atomic_int *stop, int *expired)
 {
     long pause_ns = 20000;
     *expired = 0;
     for (;;) {
+        if (stop != NULL && atomic_load(stop)) {
+            *expired = 2;
+            return ncclInProgress;
+        }
         ncclResult_t state = ncclInProgress;
         ncclResult_t result = lib->CommGetAsyncError(comm, &state);
         if (result != ncclSuccess)
@@ -183,7 +194,7 @@ static int settle_init(const rlhfz_nccl_library *lib, ncclComm_t comm, double ti
         double slice = monotonic_s() + 0.2;
         int expired;
         Py_BEGIN_ALLOW_THREADS
-        *result = settle(lib, comm, slice < deadline ? slice : deadline, &expired);
+        *result = settle(lib, comm, slice < deadline ? slice : deadline, NULL, &expired);
         Py_END_ALLOW_THREADS
         if (!expired)
             return 0;
@@ -242,7 +253,14 @@ static ncclResult_t comm_abort(NcclComm *self, const char *reason)
     self->state = COMM_ABORTED;
     snprintf(self->reason, sizeof(self->reason), "%s", reason);
     ncclResult_t result;
+    atomic_store(&self->stop_polling, 1);
     Py_BEGIN_ALLOW_THREADS
+    /* a poll sees the flag within a millisecond; a thread stuck inside an
+     * NCCL call itself is not waited for (abort is the way out of that) */
+    for (int waited_ms = 0; atomic_load(&self->polling) && waited_ms < 1000; waited_ms++) {
+        struct timespec pause = {0, 1000000};
+        nanosleep(&pause, NULL);
+    }
     result = lib->CommAbort(comm);
     Py_END_ALLOW_THREADS
     return result;
@@ -323,10 +341,12 @@ static PyObject *NcclComm_new(PyTypeObject *type, PyObject *args, PyObject *kwar
             if (settle_init(lib, comm, timeout_s, &result, &timed_out) < 0)
                 goto error;
             if (timed_out) {
+                char seconds[32];      /* PyErr_Format has no %g */
+                snprintf(seconds, sizeof(seconds), "%g", timeout_s);
                 PyErr_Format(PyExc_TimeoutError, "%s (rank %d of %d, device %d) did not finish "
-                             "within %g s: another rank failed in it or never called it; the "
+                             "within %s s: another rank failed in it or never called it; the "
                              "communicator is aborted", init_name, rank, world_size, device,
-                             timeout_s);
+                             seconds);
                 goto error;
             }
         }
@@ -679,9 +699,13 @@ static PyObject *run_collective(NcclComm *self, rlhfz_state *state, const coll_a
         result = call_nccl(lib, comm, a);
         /* in progress: queued on the stream only once it settles, so the
          * fence after it waits for that */
-        if (result == ncclInProgress && self->nonblocking)
+        if (result == ncclInProgress && self->nonblocking) {
+            atomic_store(&self->polling, 1);
             result = settle(lib, comm, self->timeout_s > 0 ? monotonic_s() + self->timeout_s
-                                                           : INFINITY, &expired);
+                                                           : INFINITY, &self->stop_polling,
+                            &expired);
+            atomic_store(&self->polling, 0);
+        }
         if (result == ncclSuccess && keep)
             kept = rlhfz_inflight_fence(&event, a->stream);
         if (keep)
@@ -694,10 +718,16 @@ static PyObject *run_collective(NcclComm *self, rlhfz_state *state, const coll_a
     /* The errors are set here rather than through RLHFZ_NCCL_CHECK's goto:
      * the borrows go on every path, after the exception is set. */
     PyObject *out = NULL;
-    if (expired) {
+    if (expired == 2) {
+        PyErr_Format(PyExc_RuntimeError, "%s (NcclComm.%s, rank %d of %d) was still in progress "
+                     "when the communicator was aborted %s", a->nccl_name, a->method, self->rank,
+                     self->world_size, self->reason);
+    } else if (expired) {
+        char seconds[32];      /* PyErr_Format has no %g */
+        snprintf(seconds, sizeof(seconds), "%g", self->timeout_s);
         PyErr_Format(PyExc_TimeoutError, "%s (NcclComm.%s, rank %d of %d) was still in progress "
-                     "after %g s; the communicator is aborted", a->nccl_name, a->method,
-                     self->rank, self->world_size, self->timeout_s);
+                     "after %s s; the communicator is aborted", a->nccl_name, a->method,
+                     self->rank, self->world_size, seconds);
         comm_abort(self, "after a call stayed in progress past the timeout");
     } else if (result != ncclSuccess) {
         char what[160];

@@ -567,3 +567,60 @@ def test_before_nccl_2_14_init_blocks_through_nccl_comm_init_rank():
     assert "ncclCommInitRank (rank 0 of 1, device 0) failed: ncclUnhandledCudaError (1)" in text
     assert out["init_failure_segment_left"] is False
     assert out["sum"] == [3.0] * 8 and out["state"] == "destroyed"
+
+
+IN_PROGRESS = r'''
+import threading
+_C.nccl_load()
+buf = _C.Buffer(4 * 8, "device", device=0)
+data = buf.view("float32")
+out = {}
+
+# NCCL leaves the call in progress past the timeout: polled, then aborted
+os.environ["RLHFZ_NCCL_SIM_SETTLE_US"] = str(60e6)
+comm = _C.NcclComm(_C.nccl_unique_id(), 1, 0, 0, timeout=1)
+started = time.monotonic()
+out["timed_out"] = raised(lambda: comm.all_reduce(data, data, "sum", stream=0))
+out["timed_out_s"] = time.monotonic() - started
+out["timed_out_state"] = comm.state
+out["after_timeout"] = raised(lambda: comm.all_reduce(data, data, "sum", stream=0))
+
+# abort() from another thread while a call is polled: the poll lets go first
+comm = _C.NcclComm(_C.nccl_unique_id(), 1, 0, 0, timeout=60)
+result = {}
+
+def reduce():
+    result["raised"] = raised(lambda: comm.all_reduce(data, data, "sum", stream=0))
+    result["at"] = time.monotonic()
+
+thread = threading.Thread(target=reduce)
+thread.start()
+time.sleep(0.3)
+started = time.monotonic()
+comm.abort()
+out["abort_s"] = time.monotonic() - started
+thread.join(10)
+out["poll_ended_s"] = result["at"] - started
+out["aborted_call"] = result["raised"]
+out["aborted_state"] = comm.state
+print(json.dumps(out))
+'''
+
+
+def test_a_call_left_in_progress_times_out_and_an_abort_ends_its_poll():
+    """A non-blocking communicator's call stays ncclInProgress (the stand-in
+    holds it for a minute): the poll gives up at the timeout, aborting the
+    communicator; abort() from another thread (the watchdog's) stops a poll
+    before it frees the communicator under it."""
+    out = run_child(IN_PROGRESS, env={"RLHFZ_SIM_DEVICES": "1"})
+    kind, text = out["timed_out"]
+    assert kind == "TimeoutError"
+    assert ("ncclAllReduce (NcclComm.all_reduce, rank 0 of 1) was still in progress after 1 s; "
+            "the communicator is aborted") in text
+    assert 1 <= out["timed_out_s"] < 5 and out["timed_out_state"] == "aborted"
+    assert out["after_timeout"][0] == "RuntimeError" and "was aborted" in out["after_timeout"][1]
+    assert out["abort_s"] < 2 and out["poll_ended_s"] < 2
+    assert out["aborted_call"] == [
+        "RuntimeError", "ncclAllReduce (NcclComm.all_reduce, rank 0 of 1) was still in progress "
+                        "when the communicator was aborted by abort()"]
+    assert out["aborted_state"] == "aborted"

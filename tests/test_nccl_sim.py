@@ -949,8 +949,6 @@ FLOAT32, SUM = 7, 0
 assert nccl.ncclGetUniqueId(ctypes.byref(uid)) == 0
 rc, comm = init(uid, config())
 results["init"] = rc
-results["call_during_init"] = [nccl.ncclAllReduce(ptr, ptr, count, FLOAT32, SUM, comm, handle),
-                               nccl.ncclGetLastError(None).decode()]
 results["settled"] = poll(comm)[0]
 results["first_call"] = nccl.ncclAllReduce(ptr, ptr, count, FLOAT32, SUM, comm, handle)
 results["call_before_settling"] = [
@@ -964,6 +962,8 @@ results["destroy"] = nccl.ncclCommDestroy(comm)
 # a world of two whose other rank never comes: polled, then aborted at once
 assert nccl.ncclGetUniqueId(ctypes.byref(uid)) == 0
 rc, comm = init(uid, config(), world=2)
+results["call_during_init"] = [nccl.ncclAllReduce(ptr, ptr, count, FLOAT32, SUM, comm, handle),
+                               nccl.ncclGetLastError(None).decode()]
 state, polls = poll(comm, limit_s=0.5)
 started = time.monotonic()
 results["lonely"] = [rc, state, polls > 1, nccl.ncclCommAbort(comm)]

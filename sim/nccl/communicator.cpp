@@ -339,8 +339,11 @@ ncclResult_t settle_later(CommState &state)
 {
     if (!state.nonblocking)
         return ncclSuccess;
+    double settle_us = read_number("RLHFZ_NCCL_SIM_SETTLE_US", 0, 1e10,
+                                   (double)SETTLE_TIME.count());
     std::lock_guard<std::mutex> lock(state.mutex);
-    state.settles_at = std::chrono::steady_clock::now() + SETTLE_TIME;
+    state.settles_at = std::chrono::steady_clock::now() +
+                       std::chrono::microseconds((long long)settle_us);
     return ncclInProgress;
 }
 

@@ -17,6 +17,9 @@
  *     RLHFZ_NCCL_SIM_INIT_TIMEOUT=s    seconds ncclCommInitRank waits for the
  *                                      other ranks (default 300), then fails
  *     RLHFZ_SIM_CHAOS=seed             random delays inside collectives too
+ *     RLHFZ_NCCL_SIM_SETTLE_US=n       how long a non-blocking communicator's
+ *                                      call stays ncclInProgress (default
+ *                                      200; read at each call)
  * - RLHFZ_NCCL_SIM_VERSION=n, read at each ncclGetVersion: the version code
  *   it reports instead of NCCL_VERSION_CODE (tests pose as an older NCCL).
  * - A non-blocking communicator (ncclCommInitRankConfig, blocking = 0) is
