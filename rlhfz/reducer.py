@@ -432,28 +432,77 @@ class GradReducer:
 
     # ---- before a step ------------------------------------------------------------------
 
-    def finish(self) -> None:
-        """Grads assigned by hand (not through backward) are reduced too,
-        once all of them are checked."""
-        handed = [(bucket, i, p) for bucket in self.buckets
-                  for i, p in enumerate(bucket.params) if p.grad is not None]
-        for bucket, i, p in handed:
-            shape = bucket.layout.slots[i].shape
-            if tuple(p.grad.shape) != shape:
-                placeholder = bucket.sharded_params and p.numel() == 0
-                raise ValueError(
-                    f"a param of shape {shape} (group {bucket.group_index}) has a grad of "
-                    f"shape {tuple(p.grad.shape)} set by hand" + (
-                        ": at stage 3 a param outside a forward is a 0-element placeholder, "
-                        "so zeros_like(param) is not a grad for it (torch.distributed."
-                        "checkpoint's set_optimizer_state_dict makes such grads for an "
-                        "optimizer that has no state yet). Load the state with "
-                        "optimizer.load_state_dict instead, or set grads of the full shape"
-                        if placeholder else ""))
-            check_grad_dtype(p, p.grad, bucket.group_index)
-        for bucket, i, p in handed:
-            self.on_grad(bucket, i, p)
+    def hand_set(self) -> list[list[bool]]:
+        """Which params have a grad assigned by hand (not through backward,
+        which leaves None), each checked; no collective."""
+        marks = []
+        for bucket in self.buckets:
+            marks.append([p.grad is not None for p in bucket.params])
+            for i, p in enumerate(bucket.params):
+                if p.grad is None:
+                    continue
+                shape = bucket.layout.slots[i].shape
+                if tuple(p.grad.shape) != shape:
+                    placeholder = bucket.sharded_params and p.numel() == 0
+                    raise ValueError(
+                        f"a param of shape {shape} (group {bucket.group_index}) has a grad of "
+                        f"shape {tuple(p.grad.shape)} set by hand" + (
+                            ": at stage 3 a param outside a forward is a 0-element placeholder, "
+                            "so zeros_like(param) is not a grad for it (torch.distributed."
+                            "checkpoint's set_optimizer_state_dict makes such grads for an "
+                            "optimizer that has no state yet). Load the state with "
+                            "optimizer.load_state_dict instead, or set grads of the full shape"
+                            if placeholder else ""))
+                check_grad_dtype(p, p.grad, bucket.group_index)
+        return marks
+
+    def take_hand_set(self, anyone: list[list[bool]]) -> None:
+        """Reduces the grads set by hand on any rank (anyone: agreed across
+        ranks), on every rank, zeros where a rank set none. As torch's
+        `p.grad = t`, such a grad replaces what backward left for the param:
+        its part of the grad shard starts over first."""
+        self.flush()      # backward's reductions are done before a part starts over
+        if not any(map(any, anyone)):
+            return
+        self._check_hand_set_everywhere(anyone)
+        for bucket, marks in zip(self.buckets, anyone):
+            if not self._of(bucket).accumulated:
+                continue      # the next launch writes the shard, not adds to it
+            for i, mark in enumerate(marks):
+                if mark:
+                    lo, hi = bucket.shard.local[i]
+                    bucket.flat_grad_shard[lo:hi].zero_()
+        self._open_round()      # on every rank: the same launches everywhere
+        for bucket in self.buckets:
+            for i, p in enumerate(bucket.params):
+                if p.grad is not None:
+                    self.on_grad(bucket, i, p)
         self.flush()
+
+    def _check_hand_set_everywhere(self, anyone: list[list[bool]]) -> None:
+        """A grad set by hand after backward replaces the reduced grad in
+        the shard; set on some ranks only, there is no such whole grad to
+        replace (under DDP the ranks would step apart): refused on every
+        rank alike, before anything changes. One small sum, only when some
+        rank set a grad by hand."""
+        mine = [p.grad is not None for bucket in self.buckets for p in bucket.params]
+        sums = self.comm.count_control(torch.tensor([1.0] + mine, dtype=torch.float64))
+        ranks, counts = int(sums[0]), [int(c) for c in sums[1:].tolist()]
+        at = 0
+        for bucket, marks in zip(self.buckets, anyone):
+            for i, mark in enumerate(marks):
+                count = counts[at + i]
+                if mark and count < ranks and self._of(bucket).accumulated:
+                    raise ValueError(
+                        f"a grad was set by hand (p.grad = ...) after backward on {count} of "
+                        f"{ranks} ranks for a param of shape "
+                        f"{tuple(bucket.layout.slots[i].shape)} (group {bucket.group_index}): "
+                        f"at stage 2 and 3 backward's grad is already reduced into the "
+                        f"shards, and p.grad = t replaces it only when every rank sets one "
+                        f"(their mean is taken, as DDP averages grads). Set it on every rank, "
+                        f"set grads before backward (backward adds into them), or use "
+                        f"stage 1, where p.grad holds the whole grad after backward")
+            at += len(marks)
 
     def zero(self, set_to_none: bool = True) -> None:
         """The grads start over. set_to_none=False keeps, as torch does, a

@@ -1059,3 +1059,73 @@ def torch_clips_at_their_edges(rank, world_size, stage):
         torch.nn.utils.clip_grad_norm_((p for p in ()), 1.0)
     out["warned"] = [str(w.message) for w in caught]
     return out
+
+
+def grads_kept_across_backwards(rank, world_size, stage):
+    """PCGrad-style: each task's grads kept from p.grad, zero_grad between,
+    and their sum set back before the step. torch's next backward makes new
+    grad tensors, so the kept ones keep their values; rlhfz's bucket views
+    must not change under them. Against torch's AdamW on the whole batch."""
+    data = batches(3)
+    model, plain = make_model(), make_model()
+    opt = rlhfz.ZeroAdamW(model.parameters(), lr=1e-2, stage=stage)
+    ref = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    per_rank = GLOBAL_BATCH // world_size
+    changed = 0.0
+    for x, y in data:
+        for net, optimizer, part in ((model, opt, slice(rank * per_rank, (rank + 1) * per_rank)),
+                                     (plain, ref, slice(None))):
+            kept = []
+            for task in (0, 1):
+                optimizer.zero_grad()        # set_to_none: the next backward makes new grads
+                out = net(x[part])
+                loss = torch.nn.functional.mse_loss(out, y[part]) if task == 0 \
+                    else out.abs().mean()
+                loss.backward()
+                kept.append([p.grad for p in net.parameters()])
+                if net is model and task == 0:
+                    values = [g.clone() for g in kept[0]]
+            if net is model:
+                changed = max([changed] + [float((g - v).abs().max())
+                                           for g, v in zip(kept[0], values)])
+            for p, a, b in zip(net.parameters(), *kept):
+                p.grad = a + b
+            optimizer.step()
+    diff = max(float((a - b).abs().max()) for a, b in zip(model.parameters(),
+                                                          plain.parameters()))
+    opt.close()
+    return {"kept_changed": changed, "diff": diff}
+
+
+def grads_set_by_hand_after_backward(rank, world_size, stage, who):
+    """p.grad = t after backward: torch replaces backward's grad with t.
+    At stages 2 and 3 backward's grad is already reduced into the shards;
+    set on every rank (who: all), t (here the same everywhere) replaces
+    it; set on some ranks only, every rank refuses alike, nothing changed."""
+    model, plain = make_model(), make_model()
+    opt = rlhfz.ZeroAdamW(model if stage == 3 else model.parameters(), lr=1e-2, stage=stage)
+    ref = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    x, y = batches(1)[0]
+    per_rank = GLOBAL_BATCH // world_size
+    part = slice(rank * per_rank, (rank + 1) * per_rank)
+    torch.nn.functional.mse_loss(model(x[part]), y[part]).backward()
+    torch.nn.functional.mse_loss(plain(x), y).backward()
+    replacement = torch.linspace(-1, 1, 7)
+    if who == "all" or rank == 0:
+        model[4].bias.grad = replacement.clone()
+    plain[4].bias.grad = replacement.clone()
+    before = [p.detach().clone() for p in rlhfz.full_state_dict(model, rank0_only=False).values()] \
+        if stage == 3 else [p.detach().clone() for p in model.parameters()]
+    try:
+        opt.step()
+        refused = None
+    except ValueError as error:
+        refused = str(error)
+    ref.step()
+    after = list(rlhfz.full_state_dict(model, rank0_only=False).values()) if stage == 3 \
+        else list(model.parameters())
+    out = {"refused": refused,
+           "unchanged": all(torch.equal(a, b) for a, b in zip(before, after)),
+           "diff": max(float((a - b).abs().max()) for a, b in zip(after, plain.parameters()))}
+    opt.close()
+    return out

@@ -454,6 +454,23 @@ def test_zero_grad_without_none_keeps_zero_grads_that_step(stage, how):
         assert max(diffs.values()) < 1e-6, diffs
 
 
+# (at stages 2 and 3 p.grad is None after backward: the grads are in the shards)
+@pytest.mark.parametrize("stage, world_size", [(0, 1), (1, 1), (1, 2)])
+def test_grads_kept_from_p_grad_keep_their_values_through_the_next_backward(stage, world_size):
+    for out in run_ranks(workers.grads_kept_across_backwards, world_size, stage):
+        assert out["kept_changed"] == 0.0, out
+        assert out["diff"] < 1e-5, out
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_grad_set_by_hand_after_backward_replaces_it_as_in_torch(stage):
+    for out in run_ranks(workers.grads_set_by_hand_after_backward, 2, stage, "all"):
+        assert out["refused"] is None and out["diff"] < 1e-6, out
+    for out in run_ranks(workers.grads_set_by_hand_after_backward, 2, stage, "rank 0"):
+        assert out["refused"] is not None and "on 1 of 2 ranks" in out["refused"], out
+        assert out["unchanged"], out
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_a_hand_set_grad_of_another_dtype_is_refused_on_every_rank(stage):
     for refused in run_ranks(workers.grad_of_another_dtype, 2, stage):

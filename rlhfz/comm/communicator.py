@@ -101,6 +101,11 @@ class Communicator:
     def all_reduce_max_control(self, tensor: torch.Tensor, call: str) -> None:
         self.control.all_reduce_max(tensor, call)
 
+    def count_control(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum over every rank of the job's layout (replicas too, where
+        there are any) of a small CPU tensor."""
+        return self.control.all_reduce_sum_host(tensor)
+
     def start_from_first_rank(self, tensors: list, call: str) -> None:
         """Every rank starts from the first rank's values, as DDP and DeepSpeed
         do: ranks that initialized differently would otherwise train a mix of

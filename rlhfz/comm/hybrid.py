@@ -199,6 +199,9 @@ class HybridCommunicator(Communicator):
         self.control.all_reduce_max(tensor, call)
         self.across.control.all_reduce_max(tensor, call)
 
+    def count_control(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.across.control.all_reduce_sum_host(self.control.all_reduce_sum_host(tensor))
+
     def start_from_first_rank(self, tensors: list, call: str) -> None:
         """The leading rank's values everywhere: its group's first rank's
         within each group, then replica 0's across groups."""

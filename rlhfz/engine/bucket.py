@@ -9,6 +9,7 @@ gather() makes them whole for as long as they are needed.
 """
 from __future__ import annotations
 
+import sys
 import weakref
 
 import torch
@@ -493,19 +494,36 @@ class Bucket:
         after grads were set to None, or a user assigned one) into it."""
         p = self.params[index]
         grad = p.grad
-        view = self.grad_views[index]
-        if grad is None or grad is view:
+        if grad is None or grad is self.grad_views[index]:
             return
         if grad.layout != torch.strided:
             raise ValueError(f"sparse gradients are not supported (param {index} of group "
                              f"{self.group_index}, shape {tuple(p.shape)})")
-        if grad.shape != view.shape:
+        if grad.shape != self.grad_views[index].shape:
             raise ValueError(f"gradient of shape {tuple(grad.shape)} for a param of shape "
-                             f"{tuple(view.shape)}")
+                             f"{tuple(self.grad_views[index].shape)}")
         check_grad_dtype(p, grad, self.group_index)
+        view = self.unheld_grad_view(index)
         with torch.no_grad():
             view.copy_(grad)
         p.grad = view
+
+    def unheld_grad_view(self, index: int) -> torch.Tensor:
+        """The slot's grad view, about to take new values while p.grad is
+        not it. A view someone kept from an earlier p.grad (a grad logged,
+        or summed over tasks) would change under them, where torch's next
+        backward makes a new tensor: that object gets memory of its own,
+        holding its values, and the slot a new view."""
+        # references: the list, and getrefcount's argument
+        if sys.getrefcount(self.grad_views[index]) > 2:
+            held = self.grad_views[index]
+            with torch.no_grad():
+                held.data = held.detach().clone()
+            del held
+            slot = self.layout.slots[index]
+            self.grad_views[index] = self.flat_grad[slot.offset:slot.offset + slot.numel] \
+                .view(slot.shape)
+        return self.grad_views[index]
 
     def grads_reduced(self) -> bool:
         """Stage 1: the grads are as the last all-reduce left them (torch
@@ -518,13 +536,11 @@ class Bucket:
     def collect_grads(self) -> list[bool]:
         """Which params have a grad; stray grads are moved into the bucket."""
         present = []
-        for i, (p, view) in enumerate(zip(self.params, self.grad_views)):
-            grad = p.grad
-            if grad is None:
+        for i, p in enumerate(self.params):
+            if p.grad is None:
                 present.append(False)
                 continue
-            if grad is not view:
-                self.adopt_grad(i)
+            self.adopt_grad(i)
             present.append(True)
         return present
 

@@ -279,15 +279,20 @@ class ShardEngine:
         """Every bucket's plan, with grads reduced across ranks."""
         self.require_home(call)
         self.adopt_written()
+        handed = None
         if self.reducer is not None:
-            self.reducer.finish()
-            presence = [self.reducer.arrived(bucket) for bucket in self.buckets]
+            handed = self.reducer.hand_set()
+            presence = [[arrived or mine for arrived, mine in
+                         zip(self.reducer.arrived(bucket), marks)]
+                        for bucket, marks in zip(self.buckets, handed)]
         else:
             presence = [bucket.collect_grads() for bucket in self.buckets]
         if self.comm is not None:
-            presence = self._agree_presence(presence, call)
+            presence, handed = self._agree_presence(presence, call, handed)
             if self.reducer is None:
                 self._reduce_grads(presence)
+        if self.reducer is not None:
+            self.reducer.take_hand_set(handed)
         return [_bucket_plan(bucket, present) for bucket, present in zip(self.buckets, presence)]
 
     @staticmethod
@@ -306,25 +311,34 @@ class ShardEngine:
             _AVERAGES.add(self)
 
     def average_grads(self) -> None:
-        presence = self._agree_presence([bucket.collect_grads() for bucket in self.buckets],
-                                        "backward")
+        presence, _ = self._agree_presence([bucket.collect_grads() for bucket in self.buckets],
+                                           "backward")
         self._reduce_grads(presence)
 
-    def _agree_presence(self, presence, call):
+    def _agree_presence(self, presence, call, handed=None):
         """A param has a grad if it has one on any rank (DDP's rule); ranks
         without it contribute zeros. One small MAX all-reduce, under rlhfz's
         timeout, which also catches a rank that never entered the step.
         Stage 1: a bucket written since its last average on any rank is
-        averaged again on every rank (self._stale)."""
+        averaged again on every rank (self._stale). Stages 2 and 3: which
+        params any rank set a grad for by hand (handed), in the same mask.
+        Returns (presence, handed), both as agreed."""
         flat = [has for present in presence for has in present]
         full = [bucket for bucket in self.buckets if bucket.full_grads]
         self.comm.agree(f"ZeroAdamW.{call}", {"params": len(flat)},
                         within=self.trail() if self.trail is not None else None)
-        mask = torch.tensor(flat + [not bucket.grads_reduced() for bucket in full],
+        hand = [] if handed is None else [mine for marks in handed for mine in marks]
+        mask = torch.tensor(flat + [not bucket.grads_reduced() for bucket in full] + hand,
                             dtype=torch.uint8)
         self.comm.all_reduce_max_control(mask, f"ZeroAdamW.{call}")
         self._stale = {id(bucket) for bucket, stale in
-                       zip(full, mask[len(flat):].tolist()) if stale}
+                       zip(full, mask[len(flat):len(flat) + len(full)].tolist()) if stale}
+        if handed is not None:
+            agreed, at = [], len(flat) + len(full)
+            for marks in handed:
+                agreed.append([bool(v) for v in mask[at:at + len(marks)].tolist()])
+                at += len(marks)
+            handed = agreed
         merged, i = [], 0
         for bucket, present in zip(self.buckets, presence):
             agreed = [bool(v) for v in mask[i:i + len(present)].tolist()]
@@ -334,10 +348,11 @@ class ShardEngine:
                     # attached, so a later plan() (a clip, then the step)
                     # finds it present and leaves the reduced grad alone;
                     # after the reduction it holds the mean, as DDP leaves it
-                    bucket.grad_views[index].zero_()
-                    bucket.params[index].grad = bucket.grad_views[index]
+                    view = bucket.unheld_grad_view(index)
+                    view.zero_()
+                    bucket.params[index].grad = view
             merged.append(agreed)
-        return merged
+        return merged, handed
 
     def _reduce_grads(self, presence) -> None:
         """Stage 1: average each bucket's grads across ranks in place, once
@@ -739,9 +754,9 @@ def _keep_grad_in_bucket(bucket: Bucket, index: int, param: torch.Tensor) -> Non
     # a param moved or cast outside rlhfz (model.to(), .half()) keeps its
     # grad where autograd made it: the next step adopts the move or refuses
     # it, saying what to do
-    view = bucket.grad_views[index]
-    if param.device != view.device or param.dtype != view.dtype:
+    slot = bucket.grad_views[index]
+    if param.device != slot.device or param.dtype != slot.dtype:
         return
-    if param.grad is not view:
-        bucket.adopt_grad(index)
+    del slot        # a reference held here would read as the user's (unheld_grad_view)
+    bucket.adopt_grad(index)
 
