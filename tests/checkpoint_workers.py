@@ -167,3 +167,63 @@ def consolidated_of_another_state_dtype(rank, world_size, path):
     except rlhfz.CheckpointError as caught:
         error = str(caught)
     return {"error": error, "before": before, "after": whole(target, target_opt)}
+
+
+def _two_optimizer_model(seed, stage, dtype=torch.float32, **options):
+    """A model whose first layer one ZeroAdamW trains and whose last layer
+    another does; at stage 3 both over one sharded model."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(),
+                                torch.nn.Linear(8, 4)).to(dtype)
+    if stage == 3:
+        rlhfz.shard_model(model, param_persistence_threshold=0)
+    first = rlhfz.ZeroAdamW(model[0].parameters(), lr=1e-2, stage=stage)
+    last = rlhfz.ZeroAdamW(model[2].parameters(), lr=1e-2, stage=stage, **options)
+    return model, first, last
+
+
+def _whole(model, stage):
+    if stage == 3:
+        return {k: v.clone() for k, v in rlhfz.full_state_dict(model, rank0_only=False).items()}
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def checkpoint_beside_another_optimizer(rank, world_size, path, stage, dtype, options):
+    """save_checkpoint(path, model, first) while a second ZeroAdamW trains
+    the rest of the model: the checkpoint holds that rest whole (never a
+    stage-3 placeholder), and loading it puts those values where the second
+    optimizer steps from (its fp32 master, its host part), as a
+    load_state_dict or p.copy_() would."""
+    def train(model, first, last, steps, seed):
+        gen = torch.Generator().manual_seed(seed)
+        for _ in range(steps):
+            x = torch.randn(6, 8, generator=gen)[rank::world_size].to(dtype)
+            first.zero_grad()
+            last.zero_grad()
+            model(x).float().pow(2).mean().backward()
+            first.step()
+            last.step()
+
+    model, first, last = _two_optimizer_model(0, stage, dtype, **options)
+    train(model, first, last, 3, 1)
+    rlhfz.save_checkpoint(path, model, first)
+    saved = _whole(model, stage)
+    train(model, first, last, 3, 2)
+    rlhfz.load_checkpoint(path, model, first)
+    loaded = _whole(model, stage)
+    for group in last.param_groups:
+        group["lr"] = 0.0          # no update: what it steps from shows
+    for group in first.param_groups:
+        group["lr"] = 0.0
+    train(model, first, last, 1, 3)
+    stepped = _whole(model, stage)
+    fresh = _two_optimizer_model(7, stage, dtype, **options)
+    rlhfz.load_checkpoint(path, fresh[0], fresh[1])
+    into_fresh = _whole(fresh[0], stage)
+    for opt in (first, last, fresh[1], fresh[2]):
+        opt.close()
+
+    def apart(values):
+        return max(float((values[k].float() - saved[k].float()).abs().max()) for k in saved)
+    return {"loaded": apart(loaded), "stepped": apart(stepped), "fresh": apart(into_fresh),
+            "shapes": {k: list(v.shape) for k, v in into_fresh.items()}}

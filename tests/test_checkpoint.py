@@ -335,6 +335,26 @@ def test_two_ranks_resume_bitwise_and_reshard(tmp_path, kind, stage, dtype, opti
     assert single["client"] == {"step": 3}
 
 
+@pytest.mark.parametrize("stage, world_size, dtype, options", [
+    (2, 1, torch.bfloat16, {}),                      # the other optimizer's fp32 master
+    (2, 1, torch.float32, {"offload": "cpu"}),       # its host part
+    (1, 2, torch.bfloat16, {}),
+    (3, 2, torch.float32, {}),                       # its params kept as shards
+    (3, 2, torch.bfloat16, {}),
+])
+def test_a_checkpoint_of_one_optimizer_keeps_and_restores_the_other_ones_params(
+        tmp_path, stage, world_size, dtype, options):
+    outs = run_ranks(workers.checkpoint_beside_another_optimizer, world_size,
+                     str(tmp_path / "ckpt"), stage, dtype, options)
+    for out in outs:
+        assert out["loaded"] == 0.0 and out["stepped"] == 0.0 and out["fresh"] == 0.0, out
+        assert out["shapes"] == {"0.weight": [8, 8], "0.bias": [8], "2.weight": [4, 8],
+                                 "2.bias": [4]}, out
+    index = json.loads((tmp_path / "ckpt" / "index.json").read_text())
+    assert {k: v["shape"] for k, v in index["module"].items()} == {"2.weight": [4, 8],
+                                                                   "2.bias": [4]}
+
+
 def test_a_consolidated_optimizer_of_another_form_is_refused_before_any_write(tmp_path):
     results = _run(workers.consolidated_of_another_state_dtype, 2, str(tmp_path / "ck"))
     for result in results:

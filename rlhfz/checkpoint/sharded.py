@@ -60,16 +60,17 @@ def _names(model, optimizer) -> dict[int, str]:
 
 def _extras(model, optimizer, values: bool = False) -> dict[str, torch.Tensor]:
     """The model's state that the optimizer does not hold: buffers and
-    params it does not train (the same on every rank). Frozen params kept
-    as shards are gathered whole with values (a collective; the first rank
-    keeps them), else stand in as meta tensors of their shape."""
+    params it does not train (the same on every rank). Params kept as
+    shards (frozen ones, or another optimizer's) are gathered whole with
+    values (a collective; the first rank keeps them), else stand in as meta
+    tensors of their shape: never their 0-element placeholders."""
     if model is None:
         return {}
     owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
     extras = {name: t for name, t in unwrap_model(model).state_dict(keep_vars=True).items()
               if id(t) not in owned}
     record = optimizer.sharding
-    frozen = record.frozen_slots() if record is not None else {}
+    frozen = record.sharded_slots() if record is not None else {}
     ids = {id(t) for t in extras.values() if id(t) in frozen}
     if not ids:
         return extras
@@ -400,14 +401,17 @@ def load_checkpoint(path, model, optimizer=None):
     return index.get("client_state")
 
 
-def _frozen_by_name(model, optimizer) -> dict[str, tuple]:
-    """name -> (frozen bucket, index) of the model's frozen sharded params."""
+def _sharded_by_name(model, optimizer) -> dict[str, tuple]:
+    """name -> (bucket, index, frozen) of the model's params kept as shards
+    that the optimizer does not own: frozen ones, or another optimizer's."""
     record = optimizer.sharding
     if record is None or model is None:
         return {}
-    frozen = record.frozen_slots()
-    return {name: frozen[id(p)] for name, p in
-            unwrap_model(model).named_parameters(remove_duplicate=False) if id(p) in frozen}
+    sharded, frozen = record.sharded_slots(), record.frozen_slots()
+    owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    return {name: sharded[id(p)] + (id(p) in frozen,) for name, p in
+            unwrap_model(model).named_parameters(remove_duplicate=False)
+            if id(p) in sharded and id(p) not in owned}
 
 
 def _apply(index, plan, files, model, optimizer) -> None:
@@ -428,17 +432,26 @@ def _apply(index, plan, files, model, optimizer) -> None:
             bucket.pull_host_part(master=not bucket.has_master)
             bucket.state.refresh_stitched()
         extras = _extras(model, optimizer)
-        frozen = _frozen_by_name(model, optimizer)
+        sharded = _sharded_by_name(model, optimizer)
+        written = []
         for name, t in extras.items():
             target = t.detach()
-            if name in frozen:             # a frozen param's shard: this rank's part of it
-                bucket, slot = frozen[name]
-                bucket.write_param(slot, files[0].read(f"module.{name}").view(
-                    bucket.layout.slots[slot].shape))
+            if name in sharded:       # a param kept as shards: this rank's part of it
+                bucket, slot, frozen = sharded[name]
+                value = files[0].read(f"module.{name}").view(bucket.layout.slots[slot].shape)
+                if frozen:
+                    bucket.write_param(slot, value)
+                else:      # another optimizer's: its master follows
+                    bucket.load_whole([(slot, value)])
             elif target.is_contiguous():
                 files[0].read_into(f"module.{name}", 0, target)
+                written.append(target)
             else:
                 target.copy_(files[0].read(f"module.{name}"))
+        # read_into is a C write, which torch's version counter does not see:
+        # another optimizer holding one of these params (its fp32 master, a
+        # host part) learns of it by the version (Bucket.adopt_written)
+        torch.autograd.graph.increment_version(written)
         for group, saved_group in zip(optimizer.param_groups, index["param_groups"]):
             for key, value in saved_group.items():
                 # the form the moments are kept in is this optimizer's, built
