@@ -158,9 +158,9 @@ def test_every_touch_of_a_shortened_file_is_an_oserror(touch):
 
 KILLED_SCRIPT = """
 import os, signal, sys, torch, rlhfz
-model = torch.nn.Linear(256, 256)
+model = torch.nn.Linear(2048, 2048)        # 16 MiB a kind, 80 MiB on disk in all
 opt = rlhfz.ZeroAdamW(model.parameters(), stage=0)
-model(torch.randn(2, 256)).sum().backward()
+model(torch.randn(2, 2048)).sum().backward()
 opt.step()
 rlhfz.offload(model, opt, to="disk", path=sys.argv[1])
 print(len(opt.memory_report()), flush=True)
@@ -177,7 +177,9 @@ def test_a_killed_process_leaves_no_files(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == -9 and result.stdout.strip() == "5", result
     assert os.listdir(tmp_path) == []
-    assert shutil.disk_usage(tmp_path).free >= free_before - (1 << 20)
+    # other processes write to the same file system meanwhile: half the
+    # 80 MiB the files held is the margin
+    assert shutil.disk_usage(tmp_path).free >= free_before - (40 << 20)
 
 
 def test_reload_from_a_shortened_offload_file_raises_and_stays_offloaded(tmp_path):
