@@ -92,6 +92,7 @@ class GradReducer:
         self._slot_owner: dict[tuple, Bucket] = {}
         self._pending = []                # (work, tensor kept alive until it is done)
         self._round_open = False
+        self._scanned_task = None         # the backward before_grad last looked at
         self._sequence: list[Bucket] = []   # the launch order
         self._learned = False             # the ranks agreed on it
         self._completed: list[Bucket] = []  # this round, as its buckets completed
@@ -246,6 +247,29 @@ class GradReducer:
             self._slot_owner[slot] = bucket
             progress.staged = (slot, flat)
         return progress.staged[1]
+
+    def before_grad(self, bucket: Bucket, index: int, param: torch.Tensor) -> None:
+        """Before a backward's first grad accumulates (once per backward):
+        a grad set by hand between two backwards of one accumulation would
+        have backward add into it, and the reduction add that to what the
+        earlier backwards left in the shards, where torch's `p.grad = t`
+        drops them. Refused before anything of this backward is staged."""
+        task = torch._C._current_graph_task_id()
+        if self._round_open or task == self._scanned_task:
+            return
+        self._scanned_task = task
+        for b in self.buckets:
+            arrived = self._of(b).arrived
+            for i, p in enumerate(b.params):
+                if p.grad is not None and arrived[i]:
+                    raise ValueError(
+                        f"a grad was set by hand (p.grad = ...) between two backwards of one "
+                        f"accumulation, for a param of shape {tuple(b.layout.slots[i].shape)} "
+                        f"(group {b.group_index}): torch's assignment drops what the earlier "
+                        f"backwards left, which at stage 2 and 3 is already reduced into the "
+                        f"shards. Set grads after the last backward (they replace), or before "
+                        f"the first (backward adds into them), or use stage 1. Nothing of this "
+                        f"backward was taken; p.grad = None drops the grad set by hand")
 
     def on_grad(self, bucket: Bucket, index: int, param: torch.Tensor) -> None:
         try:

@@ -1129,3 +1129,35 @@ def grads_set_by_hand_after_backward(rank, world_size, stage, who):
            "diff": max(float((a - b).abs().max()) for a, b in zip(after, plain.parameters()))}
     opt.close()
     return out
+
+
+def grad_set_by_hand_between_backwards(rank, world_size, stage):
+    """Backward, p.grad = t, backward again (one accumulation): torch's
+    assignment drops the first backward's grad, which at stages 2 and 3 is
+    already in the shards. Refused at the second backward, before it takes
+    anything; with the grad let go, the accumulation goes on as torch's."""
+    model, plain = make_model(), make_model()
+    opt = rlhfz.ZeroAdamW(model if stage == 3 else model.parameters(), lr=1e-2, stage=stage)
+    ref = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    (x1, y1), (x2, y2) = batches(2)
+    per_rank = GLOBAL_BATCH // world_size
+    part = slice(rank * per_rank, (rank + 1) * per_rank)
+    for x, y in ((x1, y1), (x2, y2)):
+        (torch.nn.functional.mse_loss(plain(x), y) / 2).backward()
+    torch.nn.functional.mse_loss(model(x1[part]), y1[part]).div(2).backward()
+    model[4].bias.grad = torch.ones(7)
+    try:
+        torch.nn.functional.mse_loss(model(x2[part]), y2[part]).div(2).backward()
+        refused = None
+    except ValueError as error:
+        refused = str(error)
+    model[4].bias.grad = None
+    torch.nn.functional.mse_loss(model(x2[part]), y2[part]).div(2).backward()
+    opt.step()
+    ref.step()
+    after = list(rlhfz.full_state_dict(model, rank0_only=False).values()) if stage == 3 \
+        else list(model.parameters())
+    out = {"refused": refused,
+           "diff": max(float((a - b).abs().max()) for a, b in zip(after, plain.parameters()))}
+    opt.close()
+    return out

@@ -472,6 +472,13 @@ def test_a_grad_set_by_hand_after_backward_replaces_it_as_in_torch(stage):
 
 
 @pytest.mark.parametrize("stage", [2, 3])
+def test_a_grad_set_by_hand_between_two_backwards_is_refused_before_the_second_takes_any(stage):
+    for out in run_ranks(workers.grad_set_by_hand_between_backwards, 2, stage):
+        assert out["refused"] is not None and "between two backwards" in out["refused"], out
+        assert out["diff"] < 1e-6, out
+
+
+@pytest.mark.parametrize("stage", [2, 3])
 def test_a_hand_set_grad_of_another_dtype_is_refused_on_every_rank(stage):
     for refused in run_ranks(workers.grad_of_another_dtype, 2, stage):
         assert "has a grad of dtype torch.float64" in refused

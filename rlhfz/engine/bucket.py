@@ -352,9 +352,10 @@ class Bucket:
 
     # ---- attaching params -------------------------------------------------------
 
-    def attach(self, grad_hook, index: int = 0) -> None:
+    def attach(self, grad_hook, index: int = 0, before_grad=None) -> None:
         """Copy each param's values in, make param.data a view of the bucket,
-        and call grad_hook(bucket, index, param) after each grad accumulates.
+        and call grad_hook(bucket, index, param) after each grad accumulates
+        (and before_grad(bucket, index, param), if given, before it does).
         index: the bucket's place among its engine's."""
         self.index = index
         with torch.no_grad():
@@ -386,6 +387,9 @@ class Bucket:
             if p.requires_grad:
                 self._hook_handles.append(p.register_post_accumulate_grad_hook(
                     _make_grad_hook(self_ref, i, grad_hook)))
+                if before_grad is not None:
+                    self._hook_handles.append(p.register_hook(
+                        _make_before_grad_hook(self_ref, i, p, before_grad)))
 
     def placeholder(self) -> torch.Tensor:
         return torch.empty(0, dtype=self.dtype, device=self.backend.device)
@@ -627,6 +631,17 @@ def _make_grad_hook(bucket_ref, index, sink):
         bucket = bucket_ref()
         if bucket is not None:
             sink(bucket, index, param)
+    return hook
+
+
+def _make_before_grad_hook(bucket_ref, index, param, sink):
+    param_ref = weakref.ref(param)
+
+    def hook(grad):
+        bucket, p = bucket_ref(), param_ref()
+        if bucket is not None and p is not None:
+            sink(bucket, index, p)
+        # None: the grad goes on as it is
     return hook
 
 

@@ -162,8 +162,9 @@ class ShardEngine:
         """Makes the buckets' params views of their memory, and the engine's."""
         sink = (self.reducer.on_grad if self.reducer is not None else
                 self._grad_arrived if self.comm is not None else _keep_grad_in_bucket)
+        before = self.reducer.before_grad if self.reducer is not None else None
         for bucket in buckets:
-            bucket.attach(sink, index=len(self.buckets))
+            bucket.attach(sink, index=len(self.buckets), before_grad=before)
             self.buckets.append(bucket)
         if self.reducer is not None:
             self.reducer.reserve()
