@@ -25,9 +25,11 @@ def _number(name: str, value) -> float:
 
 def check_hparams(lr, betas, eps, weight_decay) -> None:
     """Each value range torch checks; a message names the value as given."""
-    if not (math.isfinite(_number("lr", lr)) and _number("lr", lr) >= 0.0):
+    value = _number("lr", lr)
+    if not (math.isfinite(value) and value >= 0.0):
         raise ValueError(f"Invalid learning rate: {lr}")
-    if not (math.isfinite(_number("eps", eps)) and _number("eps", eps) >= 0.0):
+    value = _number("eps", eps)
+    if not (math.isfinite(value) and value >= 0.0):
         raise ValueError(f"Invalid epsilon value: {eps}")
     if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
         raise ValueError(f"betas must be a pair of floats, not {betas!r}")

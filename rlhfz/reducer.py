@@ -254,8 +254,10 @@ class GradReducer:
         have backward add into it, and the reduction add that to what the
         earlier backwards left in the shards, where torch's `p.grad = t`
         drops them. Refused before anything of this backward is staged."""
+        if self._round_open:
+            return      # every later grad of this backward: one attribute read
         task = torch._C._current_graph_task_id()
-        if self._round_open or task == self._scanned_task:
+        if task == self._scanned_task:
             return
         self._scanned_task = task
         for b in self.buckets:
